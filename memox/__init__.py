@@ -1,0 +1,19 @@
+"""memox: caches for expensive derived values of Equinox modules that survive `jax.jit`,
+`lax.scan` and `jax.grad` — never stale, never changing the pytree structure."""
+
+import importlib.metadata
+
+from . import internal as internal
+from ._cached import cached as cached
+from ._call import (
+    SlotStats as SlotStats,
+    call as call,
+    clear as clear,
+    init as init,
+    stats as stats,
+)
+from ._jit import jit as jit
+from ._slot import Memo as Memo
+
+
+__version__ = importlib.metadata.version("memox")

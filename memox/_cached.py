@@ -1,0 +1,399 @@
+"""`memox.cached`: binding a method to a slot, and what happens when it is called.
+
+Inside a `memox.call`, calling a cached method runs one operation, `_memo`:
+
+1. **Plan** (once per method, module structure and shapes; cached): trace the method to
+   a jaxpr with caching off and ask which of the module's arrays it actually reads (dead
+   code elimination). Those are its dependencies. The static part of its fingerprint
+   (method, tree structure with static fields, shapes, non-array arguments) and the
+   shape of its value come from the same trace.
+2. **Check** (in-graph): fingerprint the dependencies and the array arguments; it is a
+   hit when the slot is valid and its stored fingerprint matches.
+3. **Branch** (in-graph): `lax.cond` returns the stored value on a hit and runs the
+   method on a miss. A hit therefore skips the computation at run time. Cached methods
+   reached inside the miss branch get a frame of their own, with the slots below this
+   module threaded through the branch, so nested caches fill once.
+4. **Differentiate**: `_memo` is a `jax.custom_jvp` with symbolic zeros. When no
+   dependency or argument carries a tangent (a frozen part) it is the branch above and
+   its tangent is a symbolic zero: a hit recomputes nothing, even under `jax.grad`.
+   Otherwise the tangent is `jax.jvp` of the method itself, so gradients are exactly
+   those of the unmemoized computation; the value is recomputed there and stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from . import _context, _errors, _jax_internals
+from ._fingerprint import fingerprint, static_digest
+from ._slot import (
+    Memo,
+    Path,
+    Spec,
+    allocate,
+    counted_hit,
+    filled,
+    is_memo,
+    path_name,
+    strong,
+)
+
+
+# -- the decorator --------------------------------------------------------------------
+
+
+class CachedMethod:
+    """A method bound to a `Memo` slot (what `memox.cached` returns)."""
+
+    def __init__(self, fn: Callable[..., Any], slot: str):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.slot = slot
+        self.qualname: str = getattr(fn, "__qualname__", repr(fn))
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.takes_arguments = any(
+            p.default is p.empty and (p.kind in required or p.kind == p.KEYWORD_ONLY)
+            for p in params
+        )
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.qualname = f"{owner.__qualname__}.{name}"
+        _check_slot(owner, name, self.slot)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = _context.top()
+        if isinstance(frame, _context.Plain):
+            frame.nested = True
+        elif frame is not None:
+            path = frame.find(module, self.slot)
+            if path is not None:
+                return _memo(self, frame, path, module, args, kwargs)
+        return self.fn(module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<memox.cached('{self.slot}') {self.qualname}>"
+
+
+@typing.overload
+def cached(slot: str, /) -> Callable[[Callable[..., Any]], CachedMethod]: ...
+@typing.overload
+def cached(slot: str, method: Callable[..., Any], /) -> CachedMethod: ...
+def cached(slot: str, method: Callable[..., Any] | None = None, /) -> Any:
+    """Bind a method of an `eqx.Module` to one of its `memox.Memo` slots.
+
+    **Arguments:**
+
+    - `slot`: the name of a field of the same class declared as `memox.Memo[...]`.
+    - `method`: the method (usually omitted: `cached("slot")` is a decorator).
+
+    Inside `memox.call` or `memox.jit`, the method returns the slot's value when nothing
+    it depends on has changed (the module's arrays it reads, the module's static fields,
+    its own arguments) and computes and stores it otherwise. Outside them it simply
+    computes. Arguments the method takes are part of the cache key.
+
+    !!! Example
+
+        ```python
+        class Gram(eqx.Module):
+            x: jax.Array
+            chol_cache: memox.Memo[jax.Array] = memox.Memo()
+
+            @memox.cached("chol_cache")
+            def chol(self):
+                return jnp.linalg.cholesky(self.x @ self.x.T + jnp.eye(3))
+
+        L, model = memox.call(Gram(jnp.eye(3)), Gram.chol)
+        ```
+    """
+    if not isinstance(slot, str):
+        raise TypeError(_errors.SLOT_NAME_NOT_STR.format(slot=slot))
+    if method is None:
+        return lambda fn: CachedMethod(fn, slot)
+    return CachedMethod(method, slot)
+
+
+def _check_slot(owner: type, name: str, slot: str) -> None:
+    annotations: dict[str, Any] = {}
+    for klass in reversed(owner.__mro__):
+        annotations.update(klass.__dict__.get("__annotations__", {}))
+    where = dict(slot=slot, cls=owner.__name__, name=name)
+    if slot not in annotations:
+        raise ValueError(_errors.UNKNOWN_SLOT.format(**where))
+    default = next((k.__dict__[slot] for k in owner.__mro__ if slot in k.__dict__), None)
+    annotation = annotations[slot]
+    if not (isinstance(default, Memo) or _is_memo_annotation(annotation)):
+        shown = annotation if isinstance(annotation, str) else getattr(
+            annotation, "__name__", repr(annotation)
+        )
+        raise ValueError(_errors.NOT_A_MEMO_FIELD.format(annotation=shown, **where))
+    for other_name, other in cached_methods(owner, skip=name).items():
+        if other.slot == slot:
+            raise ValueError(_errors.SLOT_TAKEN.format(other=other_name, **where))
+
+
+def _is_memo_annotation(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return annotation.split("[")[0].split(".")[-1].strip() == "Memo"
+    return annotation is Memo or typing.get_origin(annotation) is Memo
+
+
+def cached_methods(cls: type, skip: str | None = None) -> dict[str, CachedMethod]:
+    """The cached methods of `cls` by attribute name (subclasses override bases)."""
+    found: dict[str, CachedMethod] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in klass.__dict__.items():
+            if attr == skip:
+                found.pop(attr, None)
+            elif isinstance(value, CachedMethod):
+                found[attr] = value
+            else:
+                found.pop(attr, None)
+    return found
+
+
+def method_for(owner: Any, field: str) -> CachedMethod | None:
+    """The cached method bound to `owner.<field>`, if any."""
+    for method in cached_methods(type(owner)).values():
+        if method.slot == field:
+            return method
+    return None
+
+
+# -- planning: dependencies, static fingerprint, value shape ------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """A module or argument pytree split into arrays, slots and static leaves."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+    kinds: tuple[str, ...]  # "array", "memo" or "static", per leaf
+
+    @classmethod
+    def of(cls, tree: Any) -> _Parts:
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_memo)
+        kinds = tuple(
+            "memo" if is_memo(x) else "array" if eqx.is_array(x) else "static" for x in leaves
+        )
+        return cls(treedef, tuple(leaves), kinds)
+
+    def pick(self, kind: str) -> list[Any]:
+        return [x for x, k in zip(self.leaves, self.kinds) if k == kind]
+
+    def rebuild(self, arrays: Sequence[Any], slots: Sequence[Any] | None = None) -> Any:
+        arrays_, slots_ = iter(arrays), iter(slots if slots is not None else ())
+        out = []
+        for leaf, kind in zip(self.leaves, self.kinds):
+            if kind == "array":
+                out.append(next(arrays_))
+            elif kind == "memo":
+                out.append(next(slots_, None) if slots is not None else Memo())
+            else:
+                out.append(leaf)
+        return jtu.tree_unflatten(self.treedef, out)
+
+    def static_text(self) -> str:
+        statics = [_stable_repr(x) for x, k in zip(self.leaves, self.kinds) if k == "static"]
+        return f"{self.treedef}|{statics}"
+
+
+def _stable_repr(x: Any) -> str:
+    """`repr`, but for functions and classes a name that is stable across processes."""
+    if callable(x) and hasattr(x, "__qualname__"):
+        return f"{getattr(x, '__module__', '?')}.{x.__qualname__}"
+    return repr(x)
+
+
+def _aval_text(x: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(x.shape), str(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    used: tuple[int, ...]  # which of the module's arrays the method reads
+    nested: bool  # whether it calls other cached methods
+    spec: Spec  # what it returns
+    salt: tuple[int, int]  # static part of the fingerprint
+
+
+_PLANS: dict[Any, Plan] = {}
+_MAX_PLANS = 4096
+_SUPPORTED = (jnp.bool_, jnp.integer, jnp.unsignedinteger, jnp.floating, jnp.complexfloating)
+
+
+def plan(method: CachedMethod, module: _Parts, args: _Parts) -> Plan:
+    arrays, arg_arrays = module.pick("array"), args.pick("array")
+    static = f"{module.static_text()}#{args.static_text()}"
+    avals = (tuple(map(_aval_text, arrays)), tuple(map(_aval_text, arg_arrays)))
+    cache_key = (method, static, avals)
+    found = _PLANS.get(cache_key)
+    if found is not None:
+        return found
+
+    def run(arrays: list[Any], arg_arrays: list[Any]) -> Any:
+        a, k = args.rebuild(arg_arrays)
+        return method.fn(module.rebuild(arrays), *a, **k)
+
+    structs = [[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs] for xs in (arrays, arg_arrays)]
+    with _context.active(_context.Plain()) as plain:
+        closed, out = jax.make_jaxpr(run, return_shape=True)(*structs)
+    for leaf in jtu.tree_leaves(out):
+        if not any(jnp.issubdtype(leaf.dtype, t) for t in _SUPPORTED):
+            raise TypeError(_errors.UNSUPPORTED_DTYPE.format(method=method.qualname, dtype=leaf.dtype))
+    used_inputs = _jax_internals.used_inputs(closed)
+    used = tuple(i for i in range(len(arrays)) if used_inputs[i])
+    salt = static_digest(method.qualname, static, used, [avals[0][i] for i in used], avals[1])
+    found = Plan(used, plain.nested, Spec.of(out), salt)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[cache_key] = found
+    return found
+
+
+def spec_without_arguments(method: CachedMethod, owner: Any) -> Spec:
+    """What `method(owner)` returns, from its plan (no FLOPs spent)."""
+    return plan(method, _Parts.of(owner), _Parts.of(((), {}))).spec
+
+
+# -- the memoised operation -----------------------------------------------------------
+
+
+def _memo(
+    method: CachedMethod,
+    frame: _context.Frame,
+    path: Path,
+    module: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    parts, arg_parts = _Parts.of(module), _Parts.of((args, kwargs))
+    the_plan = plan(method, parts, arg_parts)
+    slot = _fit(method, frame, path, frame.store[path], the_plan.spec)
+    arrays = parts.pick("array")
+    used = set(the_plan.used)
+    deps = [x for i, x in enumerate(arrays) if i in used]
+    others = [x for i, x in enumerate(arrays) if i not in used]
+    owner_path = path[:-1]
+    sub_paths = (
+        [owner_path + site for site in _slot_paths(module)] if the_plan.nested else []
+    )
+    sub = [frame.store.get(p, Memo()) for p in sub_paths]
+
+    def merge(deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:
+        deps_, others_ = iter(deps), iter(others)
+        return [next(deps_) if i in used else next(others_) for i in range(len(arrays))]
+
+    def compute(deps, others, arg_arrays, sub, *, caching: bool):
+        a, k = arg_parts.rebuild(arg_arrays)
+        if caching and the_plan.nested:
+            view = parts.rebuild(merge(deps, others), sub)
+            inner = _context.Frame(view, owner_path, method=method.qualname)
+            with _context.active(inner):
+                value = method.fn(view, *a, **k)
+            return strong(value), [inner.store[p] for p in sub_paths]
+        with _context.active(_context.Plain()):
+            value = method.fn(parts.rebuild(merge(deps, others)), *a, **k)
+        return strong(value), sub
+
+    def key_of(deps, arg_arrays):
+        return fingerprint([*deps, *arg_arrays], the_plan.salt)
+
+    def hit_branch(deps, others, arg_arrays, slot, sub):
+        return slot.decoded(), counted_hit(slot), sub
+
+    def miss_branch(deps, others, arg_arrays, slot, sub):
+        value, sub = compute(deps, others, arg_arrays, sub, caching=True)
+        return value, filled(slot, value, key_of(deps, arg_arrays)), sub
+
+    def primal(deps, others, arg_arrays, slot, sub):
+        operands = (deps, others, arg_arrays, slot, sub)
+        hit = slot.valid & jnp.all(slot.key == key_of(deps, arg_arrays))
+        if isinstance(hit, jax.core.Tracer):
+            return lax.cond(hit, hit_branch, miss_branch, *operands)
+        return (hit_branch if bool(hit) else miss_branch)(*operands)
+
+    def tangent_rule(primals, tangents):
+        deps, others, arg_arrays, slot, sub = primals
+        dep_tangents, _, arg_tangents, _, _ = tangents
+        if all(map(_is_zero, [*dep_tangents, *arg_tangents])):
+            out = primal(*primals)
+            return out, jtu.tree_map(SymbolicZero.from_primal_value, out)
+
+        def value_of(deps, arg_arrays):
+            return compute(deps, others, arg_arrays, sub, caching=False)[0]
+
+        value, value_tangent = jax.jvp(
+            value_of,
+            (deps, arg_arrays),
+            (_instantiate(dep_tangents, deps), _instantiate(arg_tangents, arg_arrays)),
+        )
+        new_slot = filled(slot, value, key_of(deps, arg_arrays))
+        zeros = jtu.tree_map(SymbolicZero.from_primal_value, (new_slot, sub))
+        return (value, new_slot, sub), (value_tangent, *zeros)
+
+    memo = jax.custom_jvp(primal)
+    memo.defjvp(tangent_rule, symbolic_zeros=True)
+    value, new_slot, new_sub = memo(deps, others, arg_parts.pick("array"), slot, sub)
+    frame.write(path, new_slot, method.qualname)
+    for p, s in zip(sub_paths, new_sub):
+        if p in frame.store:
+            frame.write(p, s, method.qualname)
+    return value
+
+
+def _slot_paths(module: Any) -> list[Path]:
+    items = jtu.tree_flatten_with_path(module, is_leaf=is_memo)[0]
+    return [p for p, leaf in items if is_memo(leaf)]
+
+
+def _is_zero(tangent: Any) -> bool:
+    return isinstance(tangent, SymbolicZero) or tangent.dtype == jax.dtypes.float0
+
+
+def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
+    out = []
+    for t, x in zip(tangents, primals):
+        if isinstance(t, SymbolicZero):
+            dtype = t.aval.dtype
+            t = np.zeros(x.shape, dtype) if dtype == jax.dtypes.float0 else jnp.zeros(x.shape, dtype)
+        out.append(t)
+    return out
+
+
+def _fit(method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, spec: Spec) -> Memo:
+    """`slot` with room for a value of `spec`, allocating it where the structure may change."""
+    if slot.spec == spec:
+        return slot
+    where = dict(method=method.qualname, slot=path_name(path), new=spec.describe())
+    if frame.method is not None:
+        raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))
+    loop = _jax_internals.inside_loop_body()
+    if loop is not None and not slot.allocated:
+        raise ValueError(_errors.UNALLOCATED_IN_LOOP.format(loop=loop, **where))
+    if loop is not None:
+        raise ValueError(
+            _errors.RESHAPED_IN_LOOP.format(loop=loop, old=slot.spec.describe(), **where)
+        )
+    fresh = allocate(spec)
+    if slot.allocated:
+        fresh = dataclasses.replace(fresh, hits=slot.hits, misses=slot.misses)
+    return fresh

@@ -1,0 +1,198 @@
+"""`memox.call`, `memox.init`, `memox.clear` and `memox.stats`: working with a module's slots."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from . import _context, _errors, _jax_internals
+from ._cached import method_for, spec_without_arguments
+from ._slot import Memo, Path, allocate, invalidated, is_memo, path_name, replace_slots, slot_sites
+
+
+M = TypeVar("M")
+R = TypeVar("R")
+
+
+def check_fn(api: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(_errors.NOT_CALLABLE.format(api=api, got=type(fn).__name__))
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, eqx.Module):
+        name = getattr(fn, "__name__", "method")
+        raise TypeError(
+            _errors.BOUND_METHOD.format(
+                api=api, method=f"{type(owner).__name__}(...).{name}",
+                cls=type(owner).__name__, name=name,
+            )
+        )
+
+
+def check_module(api: str, module: Any) -> None:
+    if not is_memo(module) and jtu.treedef_is_leaf(jtu.tree_structure(module)):
+        raise TypeError(_errors.NOT_A_PYTREE.format(api=api, got=type(module).__name__))
+
+
+def allocate_plain_slots(module: M) -> M:
+    """`module` with every empty slot whose method takes no arguments allocated."""
+    new = {}
+    for site in slot_sites(module):
+        if site.slot.allocated or site.field is None:
+            continue
+        method = method_for(site.owner, site.field)
+        if method is not None and not method.takes_arguments:
+            new[site.path] = allocate(spec_without_arguments(method, site.owner))
+    return replace_slots(module, new)
+
+
+def call(module: M, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> tuple[R, M]:
+    """Run `fn(module, *args, **kwargs)` with `module`'s cache slots live.
+
+    **Arguments:**
+
+    - `module`: any pytree holding `memox.Memo` slots, typically an `eqx.Module`.
+    - `fn`: the function to run. Cached methods reached inside it (on `module` or any
+      module inside it) read and fill their slots. Pass methods unbound (`Foo.b`).
+    - `*args`, `**kwargs`: passed on to `fn`.
+
+    Works eagerly and inside `jax.jit`, `eqx.filter_jit` and a `lax.scan` body (with the
+    module as the carry: allocate its slots first with `memox.init`).
+
+    **Returns:**
+
+    A pair `(result, new_module)`: `new_module` is `module` with its slots updated. The
+    module passed in is never modified.
+
+    !!! Example
+
+        ```python
+        b, foo = memox.call(foo, Foo.b)              # a miss: computes and stores
+        b, foo = memox.call(foo, lambda f: f.b())    # a hit: reads the slot
+        ```
+    """
+    check_fn("call", fn)
+    check_module("call", module)
+    result, module, changed = run(module, fn, args, kwargs)
+    return result, replace_slots(module, changed)
+
+
+def run(
+    module: M, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[R, M, dict[Path, Memo]]:
+    """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
+    (with slots allocated), and the slots that changed, by path."""
+    if _jax_internals.inside_loop_body() is None:
+        module = allocate_plain_slots(module)
+    frame = _context.Frame(module)
+    with _context.active(frame):
+        result = fn(module, *args, **kwargs)
+    before = {site.path: site.slot for site in slot_sites(module)}
+    return result, module, {p: s for p, s in frame.store.items() if before.get(p) is not s}
+
+
+def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
+    """Allocate `module`'s slots without computing anything.
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+    - `fn`, `*args`, `**kwargs` (optional): a function as for `memox.call`. The slots it
+      would fill when called with these arguments are allocated too (for cached methods
+      that take arguments). Shapes come from `jax.eval_shape`: no FLOPs are spent.
+
+    Every slot whose cached method takes no arguments is allocated. An allocated slot
+    keeps its structure whatever happens to it, so the module can be a `lax.scan` carry.
+
+    **Returns:**
+
+    `module` with its slots allocated and empty.
+
+    !!! Example
+
+        ```python
+        foo = memox.init(Foo(jnp.ones((3, 3))))
+        b, foo = jax.lax.scan(lambda f, _: memox.call(f, Foo.b)[::-1], foo, length=4)
+        ```
+    """
+    check_module("init", module)
+    module = allocate_plain_slots(module)
+    if fn is None:
+        return module
+    check_fn("init", fn)
+    shapes = eqx.filter_eval_shape(lambda m, a, k: call(m, fn, *a, **k)[1], module, args, kwargs)
+    before = {site.path: site.slot for site in slot_sites(module)}
+    new = {
+        site.path: allocate(site.slot.spec)
+        for site in slot_sites(shapes)
+        if site.slot.allocated and before[site.path].spec != site.slot.spec
+    }
+    return replace_slots(module, new)
+
+
+def clear(module: M) -> M:
+    """Invalidate every slot of `module`, keeping its allocation (no retrace follows).
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+
+    **Returns:**
+
+    `module` whose slots all miss at their next use. Hit and miss counts are kept.
+
+    !!! Example
+
+        ```python
+        foo = memox.clear(foo)
+        b, foo = memox.call(foo, Foo.b)   # recomputes
+        ```
+    """
+    check_module("clear", module)
+    return jtu.tree_map(lambda x: invalidated(x) if is_memo(x) else x, module, is_leaf=is_memo)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotStats:
+    """How often one slot was read (`hits`) and computed (`misses`)."""
+
+    hits: int | jax.Array
+    misses: int | jax.Array
+
+
+def stats(module: Any) -> dict[str, SlotStats]:
+    """Hit and miss counts of every slot of `module`.
+
+    The counters live in the slots, so they count calls made inside `jax.jit`,
+    `memox.jit` and `lax.scan` as well as eager ones.
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+
+    **Returns:**
+
+    A dict from each slot's path in `module` (e.g. `"b_cache"`, `"encoder.gram_cache"`)
+    to its `SlotStats`. Counts are Python ints outside of a trace, arrays inside one.
+
+    !!! Example
+
+        ```python
+        memox.stats(foo)   # {'b_cache': SlotStats(hits=2, misses=1)}
+        ```
+    """
+    check_module("stats", module)
+    out = {}
+    for site in slot_sites(module):
+        slot = site.slot
+        counts = (0, 0) if not slot.allocated else (slot.hits, slot.misses)
+        out[path_name(site.path)] = SlotStats(*map(_concrete, counts))
+    return out
+
+
+def _concrete(x: Any) -> int | jax.Array:
+    return x if isinstance(x, jax.core.Tracer) else int(x)

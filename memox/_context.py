@@ -1,0 +1,113 @@
+"""The live state of a `memox.call`: which slots exist and what they hold right now.
+
+`memox.call` opens a `Frame` over its module and makes it current (a per-thread stack).
+A cached method that runs while a frame is current looks its slot up in that frame,
+reads the slot's latest state from the frame's store and writes the updated state
+back. When `fn` returns, the store is written into a copy of the module.
+
+Lookup is by identity, and robust to the module being taken apart and rebuilt inside
+`fn` (`eqx.tree_at`, `eqx.partition`/`eqx.combine`, `eqx.filter_grad`): an allocated
+slot is found by its `key` array object, which every such rebuild passes through
+untouched; an empty slot is found by the object that owns it. A slot not found is not
+threaded through this call, and its method simply computes (correct, never cached).
+
+memox opens frames of its own while it traces the miss branch of a cached method that
+calls other cached methods: the inner slots are then threaded through that branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax.tree_util as jtu
+
+from . import _jax_internals
+from ._errors import INNER_TRANSFORM
+from ._slot import Memo, Path, path_name, slot_sites
+
+
+class Frame:
+    """The slots of one pytree (at root path `prefix`) and their current states."""
+
+    def __init__(self, tree: Any, prefix: Path = (), *, method: str | None = None):
+        self.trace = _jax_internals.current()
+        # The cached method whose miss branch this frame belongs to (None for a call's own).
+        self.method = method
+        self.store: dict[Path, Memo] = {}
+        self._by_key: dict[int, Path] = {}
+        self._by_owner: dict[int, Path] = {}
+        # Objects whose ids are indexed stay alive as long as the frame, so that no id
+        # is reused by another object while the frame can still be asked about it.
+        self._alive: list[Any] = []
+        for site in slot_sites(tree):
+            path = prefix + site.path
+            self.store[path] = site.slot
+            self._index_slot(path, site.slot)
+            if site.field is not None:
+                self._by_owner[id(site.owner)] = path[:-1]
+                self._alive.append(site.owner)
+
+    def _index_slot(self, path: Path, slot: Memo) -> None:
+        if slot.key is not None:
+            self._by_key[id(slot.key)] = path
+            self._alive.append(slot.key)
+
+    def find(self, owner: Any, field: str) -> Path | None:
+        """The path of `owner.<field>` if that slot is threaded through this frame."""
+        slot = getattr(owner, field, None)
+        if isinstance(slot, Memo) and slot.key is not None:
+            path = self._by_key.get(id(slot.key))
+            if path is not None and path[-1].name == field:
+                return path
+        prefix = self._by_owner.get(id(owner))
+        return None if prefix is None else (*prefix, jtu.GetAttrKey(field))
+
+    def write(self, path: Path, slot: Memo, method: str) -> None:
+        for leaf in (slot.value, slot.valid, slot.key, slot.hits, slot.misses):
+            for x in jtu.tree_leaves(leaf):
+                if not _jax_internals.visible_at(x, self.trace):
+                    raise ValueError(INNER_TRANSFORM.format(method=method, slot=path_name(path)))
+        self.store[path] = slot
+        self._index_slot(path, slot)
+
+    def subtree(self, prefix: Path) -> list[Path]:
+        """The paths of the slots under `prefix`, in a fixed order."""
+        n = len(prefix)
+        return [p for p in self.store if p[:n] == prefix]
+
+
+class Plain:
+    """Current while memox traces or differentiates a method on its own: nested cached
+    methods compute without touching any slot. Records whether any was reached."""
+
+    def __init__(self) -> None:
+        self.nested = False
+
+
+_local = threading.local()
+
+
+def _stack() -> list[Frame | Plain]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def top() -> Frame | Plain | None:
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def active(frame: Frame | Plain) -> Iterator[Frame | Plain]:
+    stack = _stack()
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        popped = stack.pop()
+        assert popped is frame

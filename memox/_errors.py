@@ -1,0 +1,84 @@
+"""Every message memox raises: what was wrong, what was received, and what to do."""
+
+SLOT_NAME_NOT_STR = (
+    "`memox.cached` takes the name of a `memox.Memo` field as a string, e.g. "
+    "`@memox.cached(\"b_cache\")`; got {slot!r}."
+)
+
+UNKNOWN_SLOT = (
+    "`memox.cached('{slot}')` on `{cls}.{name}`: `{cls}` has no field `{slot}`. "
+    "Declare it as `{slot}: memox.Memo[...] = memox.Memo()`."
+)
+
+NOT_A_MEMO_FIELD = (
+    "`memox.cached('{slot}')` on `{cls}.{name}`: field `{slot}` is declared as "
+    "`{annotation}`, not as a `memox.Memo`. Declare it as "
+    "`{slot}: memox.Memo[...] = memox.Memo()`."
+)
+
+SLOT_TAKEN = (
+    "`memox.cached('{slot}')` on `{cls}.{name}`: slot `{slot}` is already bound to "
+    "`{cls}.{other}`. Give each cached method a `memox.Memo` field of its own."
+)
+
+NOT_CALLABLE = (
+    "`memox.{api}`: `fn` must be callable; got {got}. Pass the function to run on the "
+    "module, e.g. `memox.{api}(Foo.b)`."
+)
+
+BOUND_METHOD = (
+    "`memox.{api}`: `fn` is the bound method `{method}`, which carries its own copy of "
+    "the module and would be called as `fn(module, ...)` with the module twice. Pass "
+    "the unbound method instead: `{cls}.{name}`."
+)
+
+NOT_A_PYTREE = (
+    "`memox.{api}`: `module` must be a pytree holding `memox.Memo` slots, typically an "
+    "`eqx.Module`; got {got}, which JAX sees as a single leaf. Pass the module itself "
+    "(`memox.{api}(model, ...)`), not one of its arrays or a plain Python object."
+)
+
+UNALLOCATED_IN_LOOP = (
+    "`{method}` fills slot `{slot}` inside a `{loop}` body, but the slot is not "
+    "allocated yet, and allocating it would change the structure of the module (a "
+    "loop carry must keep its structure). Allocate it before the loop: "
+    "`module = memox.init(module)`, or `module = memox.init(module, step, *args)` for "
+    "a method that takes arguments."
+)
+
+RESHAPED_IN_LOOP = (
+    "`{method}` fills slot `{slot}` inside a `{loop}` body with a value of shape "
+    "{new}, but the slot was allocated for {old}, and reallocating it would change the "
+    "structure of the module (a loop carry must keep its structure). Allocate it for "
+    "the new shapes before the loop: `module = memox.init(module, step, *args)` with "
+    "arguments of those shapes."
+)
+
+UNALLOCATED_NESTED = (
+    "`{method}` is reached from inside cached `{outer}`, and its slot `{slot}` is not "
+    "allocated for a value of shape {new} yet; memox cannot allocate it inside another "
+    "cached method's computation. Allocate it first: "
+    "`module = memox.init(module, fn, *args)` with the function and arguments you "
+    "call it with."
+)
+
+INNER_TRANSFORM = (
+    "`{method}` updates slot `{slot}` with values that belong to a JAX transformation "
+    "(`jax.vmap`, `jax.jit`, `lax.scan`, ...) opened inside `memox.call`, so the update "
+    "cannot be written back to the module without leaking a tracer. This happens when "
+    "the method's dependencies or arguments are batched, traced or carried by that "
+    "transformation. Run `memox.call` inside the transformation instead (e.g. "
+    "`jax.vmap(lambda x: memox.call(model, fn, x))`), or call the method once outside "
+    "it with unbatched arguments so that the inner calls are hits."
+)
+
+UNSUPPORTED_DTYPE = (
+    "`{method}` returned a leaf of dtype {dtype}; a `memox.Memo` slot holds boolean, "
+    "integer, floating and complex arrays. Return arrays of those dtypes (for a PRNG "
+    "key, `jax.random.key_data(key)`), or drop `memox.cached` from this method."
+)
+
+NOT_CACHED = (
+    "`memox.{api}`: `{got}` is not a method decorated with `memox.cached`. Decorate it: "
+    "`@memox.cached(\"slot\")`."
+)

@@ -1,0 +1,58 @@
+"""Which JAX trace a value belongs to: the one place memox reads JAX internals.
+
+memox must refuse to store a tracer in a slot that lives at an outer level (a tracer
+leak), and must know when it runs inside a loop body, where a slot cannot change its
+structure. Both questions are about JAX's trace stack. Every trace JAX creates records
+the trace that was current when it was created (`parent_trace`), so "is this value
+visible at that level" is a walk up that chain. Loop bodies are traced by a
+`DynamicJaxprTrace` whose debug info names the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.extend
+from jax._src import core as _core
+from jax._src.interpreters import partial_eval as _pe
+
+
+_LOOP_BODIES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
+
+
+def current() -> Any:
+    """The trace that operations run on right now (the eval trace outside transforms)."""
+    return _core.trace_ctx.trace
+
+
+def _lineage(trace: Any) -> Iterator[Any]:
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def visible_at(value: Any, trace: Any) -> bool:
+    """Whether `value` may be stored where `trace` is current (no tracer leak)."""
+    if not isinstance(value, jax.core.Tracer):
+        return True
+    owner = value._trace
+    return any(t is owner for t in _lineage(trace))
+
+
+def inside_loop_body() -> str | None:
+    """The name of the innermost loop whose body is being traced, if any."""
+    for trace in _lineage(current()):
+        frame = getattr(trace, "frame", None)
+        traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
+        if traced_for in _LOOP_BODIES:
+            return traced_for
+    return None
+
+
+def used_inputs(closed: jax.extend.core.ClosedJaxpr) -> list[bool]:
+    """Which inputs of `closed` its outputs or effects depend on (dead-code elimination)."""
+    jaxpr = closed.jaxpr
+    _, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return used

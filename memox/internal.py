@@ -1,0 +1,5 @@
+"""Semi-public pieces of memox, for tools built on it. No stability promise."""
+
+from ._cached import CachedMethod as CachedMethod, cached_methods as cached_methods
+from ._fingerprint import fingerprint as fingerprint
+from ._slot import Spec as Spec, is_memo as is_memo, slot_sites as slot_sites
