@@ -261,8 +261,9 @@ def plan(method: CachedMethod, module: _Parts, args: _Parts) -> Plan:
             raise TypeError(_errors.UNSUPPORTED_DTYPE.format(method=method.qualname, dtype=leaf.dtype))
     used_inputs = _jax_internals.used_inputs(closed)
     used = tuple(i for i in range(len(arrays)) if used_inputs[i])
-    salt = static_digest(method.qualname, static, used, [avals[0][i] for i in used], avals[1])
-    found = Plan(used, plain.nested, Spec.of(out), salt)
+    spec = Spec.of(out)
+    salt = static_digest(method.qualname, static, used, [avals[0][i] for i in used], avals[1], spec)
+    found = Plan(used, plain.nested, spec, salt)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[cache_key] = found
@@ -318,11 +319,11 @@ def _memo(
         return fingerprint([*deps, *arg_arrays], the_plan.salt)
 
     def hit_branch(deps, others, arg_arrays, slot, sub):
-        return slot.decoded(), counted_hit(slot), sub
+        return slot.decoded(the_plan.spec), counted_hit(slot), sub
 
     def miss_branch(deps, others, arg_arrays, slot, sub):
         value, sub = compute(deps, others, arg_arrays, sub, caching=True)
-        return value, filled(slot, value, key_of(deps, arg_arrays)), sub
+        return value, filled(slot, value, the_plan.spec, key_of(deps, arg_arrays)), sub
 
     def primal(deps, others, arg_arrays, slot, sub):
         operands = (deps, others, arg_arrays, slot, sub)
@@ -346,7 +347,7 @@ def _memo(
             (deps, arg_arrays),
             (_instantiate(dep_tangents, deps), _instantiate(arg_tangents, arg_arrays)),
         )
-        new_slot = filled(slot, value, key_of(deps, arg_arrays))
+        new_slot = filled(slot, value, the_plan.spec, key_of(deps, arg_arrays))
         zeros = jtu.tree_map(SymbolicZero.from_primal_value, (new_slot, sub))
         return (value, new_slot, sub), (value_tangent, *zeros)
 
@@ -381,7 +382,7 @@ def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
 
 def _fit(method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, spec: Spec) -> Memo:
     """`slot` with room for a value of `spec`, allocating it where the structure may change."""
-    if slot.spec == spec:
+    if slot.holds(spec):
         return slot
     where = dict(method=method.qualname, slot=path_name(path), new=spec.describe())
     if frame.method is not None:
@@ -390,9 +391,8 @@ def _fit(method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, sp
     if loop is not None and not slot.allocated:
         raise ValueError(_errors.UNALLOCATED_IN_LOOP.format(loop=loop, **where))
     if loop is not None:
-        raise ValueError(
-            _errors.RESHAPED_IN_LOOP.format(loop=loop, old=slot.spec.describe(), **where)
-        )
+        old = f"{slot.value.dtype}{list(slot.value.shape)} (as stored)"
+        raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
     fresh = allocate(spec)
     if slot.allocated:
         fresh = dataclasses.replace(fresh, hits=slot.hits, misses=slot.misses)

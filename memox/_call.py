@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors, _jax_internals
@@ -127,11 +128,18 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
     shapes = eqx.filter_eval_shape(lambda m, a, k: call(m, fn, *a, **k)[1], module, args, kwargs)
     before = {site.path: site.slot for site in slot_sites(module)}
     new = {
-        site.path: allocate(site.slot.spec)
+        site.path: jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), site.slot)
         for site in slot_sites(shapes)
-        if site.slot.allocated and before[site.path].spec != site.slot.spec
+        if site.slot.allocated and not _same_storage(before[site.path], site.slot)
     }
     return replace_slots(module, new)
+
+
+def _same_storage(slot: Memo, shapes: Memo) -> bool:
+    return slot.allocated and (slot.value.shape, slot.value.dtype) == (
+        shapes.value.shape,
+        shapes.value.dtype,
+    )
 
 
 def clear(module: M) -> M:

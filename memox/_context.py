@@ -66,10 +66,15 @@ class Frame:
         return None if prefix is None else (*prefix, jtu.GetAttrKey(field))
 
     def write(self, path: Path, slot: Memo, method: str) -> None:
-        for leaf in (slot.value, slot.valid, slot.key, slot.hits, slot.misses):
-            for x in jtu.tree_leaves(leaf):
-                if not _jax_internals.visible_at(x, self.trace):
-                    raise ValueError(INNER_TRANSFORM.format(method=method, slot=path_name(path)))
+        """Store `slot` as the state of `path`, refusing tracers of an inner transform.
+
+        A value that a transformation merely passed through (unbatched under `vmap`, with
+        a zero tangent under `jvp`) is lowered to the level it really belongs to first.
+        """
+        slot = jtu.tree_map(_jax_internals.lowered, slot)
+        for x in jtu.tree_leaves(slot):
+            if not _jax_internals.visible_at(x, self.trace):
+                raise ValueError(INNER_TRANSFORM.format(method=method, slot=path_name(path)))
         self.store[path] = slot
         self._index_slot(path, slot)
 

@@ -56,3 +56,10 @@ def used_inputs(closed: jax.extend.core.ClosedJaxpr) -> list[bool]:
     jaxpr = closed.jaxpr
     _, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     return used
+
+
+def lowered(value: Any) -> Any:
+    """`value` at the outermost level it belongs to: a tracer that its transformation
+    only passed through (unbatched under `vmap`, zero tangent under `jvp`) is replaced by
+    the value it wraps."""
+    return _core.full_lower(value) if isinstance(value, jax.core.Tracer) else value

@@ -3,17 +3,19 @@
 A slot is an ordinary pytree node. Empty (`Memo()`), it has no leaves. Allocated, it
 holds fixed-shape arrays whatever its state:
 
-- `value`: the cached value, stored as bit patterns (floats are bit-cast to unsigned
-  integers of the same width), so that no slot leaf is ever an inexact array. That is
-  what makes slots invisible to `eqx.filter(..., eqx.is_inexact_array)`, to
-  `eqx.filter_grad` and to every optax optimizer.
+- `value`: the cached value as one array of bit patterns, so that no slot leaf is ever
+  an inexact array. That is what makes slots invisible to `eqx.filter(...,
+  eqx.is_inexact_array)`, to `eqx.filter_grad` and to every optax optimizer. A single
+  array keeps its shape (floats bit-cast to unsigned integers of the same width, so its
+  sharding carries over); a tuple or other pytree of arrays is packed into bytes. One
+  array, not a pytree of them: a slot has the same five children allocated or not.
 - `valid`: a scalar `bool` array.
 - `key`: `uint32[2]`, the fingerprint of what the value was computed from.
 - `hits`, `misses`: scalar `int32` counters.
 
-How to decode `value` (its tree structure, shapes and dtypes) is static metadata, part
-of the tree structure. Filling, hitting and invalidating a slot therefore never change
-the structure: an allocated slot is legal as a `lax.scan` carry and never retraces.
+A slot has no static metadata: how to decode `value` is known to the cached method
+(see `Spec`). Filling, hitting and invalidating a slot never change the structure: an
+allocated slot is legal as a `lax.scan` carry and never retraces.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ KEY_WORDS = 2
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """What a slot stores: the value's tree structure and each leaf's shape and dtype."""
+    """What a cached method returns: the tree structure, and each leaf's shape and dtype.
+
+    A slot does not record it: the method's plan knows it whenever the slot is read, and
+    a slot is allocated for it when its storage has the matching shape and dtype. So a
+    slot has no static metadata, and once its arrays are filtered out (as by
+    `eqx.filter(model, eqx.is_inexact_array)`) an allocated slot and an empty one are
+    the same tree: an optimizer state made before allocation fits the allocated model.
+    """
 
     treedef: Any
     leaves: tuple[tuple[tuple[int, ...], str], ...]
@@ -46,44 +55,96 @@ class Spec:
     @classmethod
     def of(cls, value: PyTree) -> Spec:
         leaves, treedef = jtu.tree_flatten(value)
-        return cls(treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        return cls(treedef, tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves))
+
+    @property
+    def packed(self) -> bool:
+        """Whether the value is stored as one byte vector (anything but a single array)."""
+        return len(self.leaves) != 1
 
     def describe(self) -> str:
-        shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in self.leaves)
-        return f"({shapes})"
+        return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in self.leaves) or "()"
 
 
-def _storage_dtype(dtype: np.dtype) -> np.dtype:
+def _float_view(dtype: np.dtype) -> np.dtype:
+    """The real dtype a value is seen as before it is stored (complex: its parts)."""
+    return np.dtype(jnp.finfo(dtype).dtype) if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
+
+
+def _as_real(x: Array) -> Array:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    return x
+
+
+def _from_real(x: Array, dtype: np.dtype) -> Array:
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        dtype = jnp.finfo(dtype).dtype
+        return lax.complex(x[..., 0], x[..., 1])
+    return x
+
+
+def _bits_dtype(dtype: np.dtype) -> np.dtype:
     if jnp.issubdtype(dtype, jnp.floating):
         return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
     return np.dtype(dtype)
 
 
-def _storage_shape(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return (*shape, 2)
-    return shape
+def _to_bytes(x: Array) -> Array:
+    x = _as_real(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8).reshape(-1)
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def encode_leaf(x: Array) -> Array:
-    """Stores `x` as bits: the result is never an inexact array."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.bitcast_convert_type(x, _storage_dtype(x.dtype))
-    return x
+def _from_bytes(b: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:
+    real = _float_view(dtype)
+    shape = (*shape, 2) if real != dtype else shape
+    if dtype == np.bool_:
+        return b.reshape(shape).astype(jnp.bool_)
+    if real.itemsize > 1:
+        shape = (*shape, real.itemsize)
+    return _from_real(lax.bitcast_convert_type(b.reshape(shape), real), dtype)
 
 
-def decode_leaf(stored: Array, dtype: str) -> Array:
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        parts = lax.bitcast_convert_type(stored, jnp.finfo(dtype).dtype)
-        return lax.complex(parts[..., 0], parts[..., 1])
-    if jnp.issubdtype(dtype, jnp.floating):
-        return lax.bitcast_convert_type(stored, dtype)
-    return stored
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def encode(value: PyTree[Array], spec: Spec) -> Array:
+    """`value` as one array that is never inexact: a single array keeps its shape (and so
+    its sharding) with floats bit-cast to unsigned integers; anything else is packed
+    into a byte vector."""
+    leaves = jtu.tree_leaves(value)
+    if not spec.packed:
+        x = _as_real(leaves[0])
+        return lax.bitcast_convert_type(x, _bits_dtype(x.dtype)) if x.dtype != _bits_dtype(x.dtype) else x
+    if not leaves:
+        return jnp.zeros((0,), jnp.uint8)
+    return jnp.concatenate([_to_bytes(x) for x in leaves])
+
+
+def decode(stored: Array, spec: Spec) -> PyTree[Array]:
+    dtypes = [np.dtype(d) for _, d in spec.leaves]
+    if not spec.packed:
+        (dtype,) = dtypes
+        real = _float_view(dtype)
+        x = lax.bitcast_convert_type(stored, real) if stored.dtype != real else stored
+        return jtu.tree_unflatten(spec.treedef, [_from_real(x, dtype)])
+    leaves, offset = [], 0
+    for (shape, _), dtype in zip(spec.leaves, dtypes):
+        n = _nbytes(shape, dtype)
+        leaves.append(_from_bytes(stored[offset : offset + n], shape, dtype))
+        offset += n
+    return jtu.tree_unflatten(spec.treedef, leaves)
+
+
+def storage_struct(spec: Spec) -> tuple[tuple[int, ...], np.dtype]:
+    if spec.packed:
+        return (sum(_nbytes(shape, np.dtype(d)) for shape, d in spec.leaves),), np.dtype(np.uint8)
+    ((shape, d),) = spec.leaves
+    dtype = np.dtype(d)
+    real = _float_view(dtype)
+    return ((*shape, 2) if real != dtype else shape), _bits_dtype(real)
 
 
 class Memo(eqx.Module, Generic[T]):
@@ -108,25 +169,24 @@ class Memo(eqx.Module, Generic[T]):
         ```
     """
 
-    value: PyTree[Array] | None = None
+    value: Array | None = None
     valid: Bool[Array, ""] | None = None
     key: UInt32[Array, "2"] | None = None
     hits: Int[Array, ""] | None = None
     misses: Int[Array, ""] | None = None
-    spec: Spec | None = eqx.field(static=True, default=None)
 
     @property
     def allocated(self) -> bool:
-        return self.spec is not None
+        return self.value is not None
 
-    def decoded(self) -> PyTree[Array]:
-        """The stored value in its own dtypes (meaningful only where `valid`)."""
-        assert self.spec is not None
-        leaves = jtu.tree_leaves(self.value)
-        dtypes = [dtype for _, dtype in self.spec.leaves]
-        return jtu.tree_unflatten(
-            self.spec.treedef, [decode_leaf(s, d) for s, d in zip(leaves, dtypes)]
-        )
+    def holds(self, spec: Spec) -> bool:
+        """Whether this slot is allocated for values of `spec`."""
+        return self.value is not None and (self.value.shape, self.value.dtype) == storage_struct(spec)
+
+    def decoded(self, spec: Spec) -> PyTree[Array]:
+        """The stored value, as a value of `spec` (meaningful only where `valid`)."""
+        assert self.value is not None
+        return decode(self.value, spec)
 
 
 def is_memo(x: Any) -> bool:
@@ -135,32 +195,24 @@ def is_memo(x: Any) -> bool:
 
 def allocate(spec: Spec) -> Memo:
     """An empty (invalid) slot with room for a value of `spec`. Costs no FLOPs."""
-    value = jtu.tree_unflatten(
-        spec.treedef,
-        [
-            jnp.zeros(_storage_shape(shape, np.dtype(d)), _storage_dtype(np.dtype(d)))
-            for shape, d in spec.leaves
-        ],
-    )
+    shape, dtype = storage_struct(spec)
     return Memo(
-        value=value,
+        value=jnp.zeros(shape, dtype),
         valid=jnp.zeros((), jnp.bool_),
         key=jnp.zeros((KEY_WORDS,), jnp.uint32),
         hits=jnp.zeros((), jnp.int32),
         misses=jnp.zeros((), jnp.int32),
-        spec=spec,
     )
 
 
-def filled(slot: Memo, value: PyTree[Array], key: Array) -> Memo:
-    """`slot` holding `value`, computed from dependencies with fingerprint `key`."""
+def filled(slot: Memo, value: PyTree[Array], spec: Spec, key: Array) -> Memo:
+    """`slot` holding `value` (of `spec`), computed from dependencies with fingerprint `key`."""
     return Memo(
-        value=jtu.tree_map(encode_leaf, value),
+        value=encode(value, spec),
         valid=jnp.ones((), jnp.bool_),
         key=key,
         hits=slot.hits,
         misses=slot.misses + 1,
-        spec=slot.spec,
     )
 
 
