@@ -182,37 +182,41 @@ def method_for(owner: Any, field: str) -> CachedMethod | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Parts:
-    """A module or argument pytree split into arrays, slots and static leaves."""
+    """The skeleton of a module or argument pytree: its structure and its static leaves.
+
+    It holds no array (arrays may be tracers, and a skeleton outlives the trace in the
+    closures of the memoised operation): `split` hands the arrays out separately.
+    """
 
     treedef: Any
-    leaves: tuple[Any, ...]
+    statics: tuple[Any, ...]  # the leaf itself where static, else None
     kinds: tuple[str, ...]  # "array", "memo" or "static", per leaf
 
     @classmethod
-    def of(cls, tree: Any) -> _Parts:
+    def split(cls, tree: Any) -> tuple[_Parts, list[Any]]:
         leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_memo)
         kinds = tuple(
             "memo" if is_memo(x) else "array" if eqx.is_array(x) else "static" for x in leaves
         )
-        return cls(treedef, tuple(leaves), kinds)
-
-    def pick(self, kind: str) -> list[Any]:
-        return [x for x, k in zip(self.leaves, self.kinds) if k == kind]
+        statics = tuple(x if k == "static" else None for x, k in zip(leaves, kinds))
+        arrays = [x for x, k in zip(leaves, kinds) if k == "array"]
+        return cls(treedef, statics, kinds), arrays
 
     def rebuild(self, arrays: Sequence[Any], slots: Sequence[Any] | None = None) -> Any:
-        arrays_, slots_ = iter(arrays), iter(slots if slots is not None else ())
+        """The tree with these arrays, and these slots (default: empty ones)."""
+        arrays_, slots_ = iter(arrays), iter(slots or ())
         out = []
-        for leaf, kind in zip(self.leaves, self.kinds):
+        for leaf, kind in zip(self.statics, self.kinds):
             if kind == "array":
                 out.append(next(arrays_))
             elif kind == "memo":
-                out.append(next(slots_, None) if slots is not None else Memo())
+                out.append(next(slots_) if slots is not None else Memo())
             else:
                 out.append(leaf)
         return jtu.tree_unflatten(self.treedef, out)
 
     def static_text(self) -> str:
-        statics = [_stable_repr(x) for x, k in zip(self.leaves, self.kinds) if k == "static"]
+        statics = [_stable_repr(x) for x, k in zip(self.statics, self.kinds) if k == "static"]
         return f"{self.treedef}|{statics}"
 
 
@@ -240,8 +244,9 @@ _MAX_PLANS = 4096
 _SUPPORTED = (jnp.bool_, jnp.integer, jnp.unsignedinteger, jnp.floating, jnp.complexfloating)
 
 
-def plan(method: CachedMethod, module: _Parts, args: _Parts) -> Plan:
-    arrays, arg_arrays = module.pick("array"), args.pick("array")
+def plan(
+    method: CachedMethod, module: _Parts, arrays: list[Any], args: _Parts, arg_arrays: list[Any]
+) -> Plan:
     static = f"{module.static_text()}#{args.static_text()}"
     avals = (tuple(map(_aval_text, arrays)), tuple(map(_aval_text, arg_arrays)))
     cache_key = (method, static, avals)
@@ -272,7 +277,7 @@ def plan(method: CachedMethod, module: _Parts, args: _Parts) -> Plan:
 
 def spec_without_arguments(method: CachedMethod, owner: Any) -> Spec:
     """What `method(owner)` returns, from its plan (no FLOPs spent)."""
-    return plan(method, _Parts.of(owner), _Parts.of(((), {}))).spec
+    return plan(method, *_Parts.split(owner), *_Parts.split(((), {}))).spec
 
 
 # -- the memoised operation -----------------------------------------------------------
@@ -286,27 +291,31 @@ def _memo(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    parts, arg_parts = _Parts.of(module), _Parts.of((args, kwargs))
-    the_plan = plan(method, parts, arg_parts)
+    parts, arrays = _Parts.split(module)
+    arg_parts, arg_arrays = _Parts.split((args, kwargs))
+    the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
     slot = _fit(method, frame, path, frame.store[path], the_plan.spec)
-    arrays = parts.pick("array")
     used = set(the_plan.used)
     deps = [x for i, x in enumerate(arrays) if i in used]
     others = [x for i, x in enumerate(arrays) if i not in used]
+    # A method that calls other cached methods threads the slots below its module (but
+    # its own) through its miss branch, so that those fill in the same computation.
     owner_path = path[:-1]
-    sub_paths = (
-        [owner_path + site for site in _slot_paths(module)] if the_plan.nested else []
-    )
-    sub = [frame.store.get(p, Memo()) for p in sub_paths]
+    memo_paths = [owner_path + p for p in _slot_paths(module)] if the_plan.nested else []
+    sub_paths = [p for p in memo_paths if p != path and p in frame.store]
+    sub = [frame.store[p] for p in sub_paths]
+
+    n_arrays = len(arrays)
 
     def merge(deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:
         deps_, others_ = iter(deps), iter(others)
-        return [next(deps_) if i in used else next(others_) for i in range(len(arrays))]
+        return [next(deps_) if i in used else next(others_) for i in range(n_arrays)]
 
     def compute(deps, others, arg_arrays, sub, *, caching: bool):
         a, k = arg_parts.rebuild(arg_arrays)
         if caching and the_plan.nested:
-            view = parts.rebuild(merge(deps, others), sub)
+            states = dict(zip(sub_paths, sub))
+            view = parts.rebuild(merge(deps, others), [states.get(p, Memo()) for p in memo_paths])
             inner = _context.Frame(view, owner_path, method=method.qualname)
             with _context.active(inner):
                 value = method.fn(view, *a, **k)
@@ -353,11 +362,10 @@ def _memo(
 
     memo = jax.custom_jvp(primal)
     memo.defjvp(tangent_rule, symbolic_zeros=True)
-    value, new_slot, new_sub = memo(deps, others, arg_parts.pick("array"), slot, sub)
+    value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub)
     frame.write(path, new_slot, method.qualname)
     for p, s in zip(sub_paths, new_sub):
-        if p in frame.store:
-            frame.write(p, s, method.qualname)
+        frame.write(p, s, method.qualname)
     return value
 
 

@@ -24,9 +24,11 @@ BLAKE2b and enters as the salt: it is a compile-time constant.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -74,8 +76,12 @@ def words(x: Array) -> UInt32[Array, " n"]:
     return narrow.astype(jnp.uint32).reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
-    """The 64-bit fingerprint of the values of `leaves`, salted by a static digest."""
+    """The 64-bit fingerprint of the values of `leaves`, salted by a static digest.
+
+    Jitted so that an eager `memox.call` checks a slot in one dispatch; inside a trace it
+    is inlined like any nested `jax.jit`."""
     flat = [words(x) for x in leaves]
     total = sum(int(w.size) for w in flat)
     lanes = []

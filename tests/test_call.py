@@ -1,0 +1,276 @@
+"""`memox.call`: hits and misses, what is tracked, nesting, submodules."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import Counter, Foo, foo
+
+import memox
+from memox import Memo
+
+
+def test_miss_then_hit_eager():
+    c = Counter()
+    f = foo(c)
+    b1, f = memox.call(f, Foo.b)
+    b2, f = memox.call(f, lambda m: m.b())
+    assert c.n == 1
+    assert b1 == b2 == jnp.sum(f.a)
+    assert memox.stats(f) == {"b_cache": memox.SlotStats(hits=1, misses=1)}
+
+
+def test_same_call_twice_computes_once():
+    c = Counter()
+    (b1, b2), _ = memox.call(foo(c), lambda m: (m.b(), m.b()))
+    assert c.n == 1 and b1 == b2
+
+
+def test_input_module_is_not_modified():
+    c = Counter()
+    f0 = memox.init(foo(c))
+    _, f1 = memox.call(f0, Foo.b)
+    assert not bool(f0.b_cache.valid) and bool(f1.b_cache.valid)
+    _, _ = memox.call(f0, Foo.b)
+    assert c.n == 2
+
+
+def test_outside_call_just_computes():
+    c = Counter()
+    f = foo(c)
+    assert f.b() == jnp.sum(f.a)
+    assert f.b() == jnp.sum(f.a)
+    assert c.n == 2
+    assert not f.b_cache.allocated
+
+
+def test_inside_jax_jit():
+    c = Counter()
+    step = jax.jit(lambda m: memox.call(m, Foo.b))
+    f = memox.init(foo(c))
+    for _ in range(3):
+        b, f = step(f)
+    assert c.n == 1 and b == jnp.sum(f.a)
+
+
+def test_inside_jax_jit_unallocated_allocates_in_graph():
+    c = Counter()
+    f = foo(c)
+    # An unallocated slot is allocated inside the trace: the output carries it.
+    b, f = eqx.filter_jit(lambda m: memox.call(m, Foo.b))(f)
+    assert f.b_cache.allocated and bool(f.b_cache.valid) and c.n == 1
+
+
+class Args(eqx.Module):
+    w: jax.Array
+    counter: Counter = eqx.field(static=True)
+    power: int = eqx.field(static=True, default=1)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def apply(self, x, scale=1.0):
+        self.counter.tick()
+        return scale * (self.w**self.power) @ x
+
+
+def test_arguments_are_part_of_the_key():
+    c = Counter()
+    m = Args(jnp.eye(3), c)
+    x, y = jnp.ones(3), jnp.arange(3.0)
+    out, m = memox.call(m, Args.apply, x)
+    out, m = memox.call(m, Args.apply, x)
+    assert c.n == 1
+    out, m = memox.call(m, Args.apply, y)  # other array argument
+    np.testing.assert_allclose(out, y)
+    out, m = memox.call(m, Args.apply, y, scale=2.0)  # other static argument
+    np.testing.assert_allclose(out, 2 * y)
+    out, m = memox.call(m, Args.apply, y.at[1].set(7.0), scale=2.0)  # one element
+    np.testing.assert_allclose(out, 2 * y.at[1].set(7.0))
+    assert c.n == 4
+
+
+def test_static_field_is_part_of_the_key():
+    c = Counter()
+    m = Args(2 * jnp.eye(3), c)
+    x = jnp.ones(3)
+    _, m = memox.call(m, Args.apply, x)
+    m2 = dataclasses.replace(m, power=2)
+    out, _ = memox.call(m2, Args.apply, x)
+    np.testing.assert_allclose(out, 4 * x)
+    assert c.n == 2
+
+
+class Reads(eqx.Module):
+    used: jax.Array
+    unused: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def value(self):
+        self.counter.tick()
+        _ = self.unused * 2  # read in Python, but the result does not depend on it
+        return self.used.sum()
+
+
+def test_only_what_the_method_reads_is_a_dependency():
+    c = Counter()
+    m = Reads(jnp.ones(4), jnp.ones(4), c)
+    _, m = memox.call(m, Reads.value)
+    m = eqx.tree_at(lambda t: t.unused, m, jnp.zeros(4))
+    _, m = memox.call(m, Reads.value)
+    assert c.n == 1
+    m = eqx.tree_at(lambda t: t.used, m, jnp.ones(4).at[3].set(2.0))
+    v, m = memox.call(m, Reads.value)
+    assert c.n == 2 and v == 5.0
+
+
+class Inner(eqx.Module):
+    x: jax.Array
+    counter: Counter = eqx.field(static=True)
+    gram_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("gram_cache")
+    def gram(self):
+        self.counter.tick()
+        return self.x @ self.x.T
+
+
+class Outer(eqx.Module):
+    inner: Inner
+    y: jax.Array
+    counter: Counter = eqx.field(static=True)
+    chol_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("chol_cache")
+    def chol(self):
+        self.counter.tick()
+        return jnp.linalg.cholesky(self.inner.gram() + jnp.diag(self.y))
+
+
+def _outer():
+    ci, co = Counter(), Counter()
+    x = jnp.arange(9.0).reshape(3, 3) / 10
+    return Outer(Inner(x, ci), jnp.ones(3), co), ci, co
+
+
+def _reference(m):
+    x = m.inner.x
+    return jnp.linalg.cholesky(x @ x.T + jnp.diag(m.y))
+
+
+def test_nested_cached_methods_fill_each_slot_once():
+    m, ci, co = _outer()
+    for _ in range(3):
+        L, m = memox.call(m, Outer.chol)
+    np.testing.assert_allclose(L, _reference(m), rtol=1e-6)
+    assert (ci.n, co.n) == (1, 1)
+    assert memox.stats(m) == {
+        "inner.gram_cache": memox.SlotStats(hits=0, misses=1),
+        "chol_cache": memox.SlotStats(hits=2, misses=1),
+    }
+
+
+def test_nested_outer_dependency_change_hits_inner():
+    m, ci, co = _outer()
+    _, m = memox.call(m, Outer.chol)
+    m = eqx.tree_at(lambda t: t.y, m, 2 * jnp.ones(3))
+    L, m = memox.call(m, Outer.chol)
+    np.testing.assert_allclose(L, _reference(m), rtol=1e-6)
+    assert (ci.n, co.n) == (1, 2)
+    assert memox.stats(m)["inner.gram_cache"] == memox.SlotStats(hits=1, misses=1)
+
+
+def test_nested_under_jit():
+    m, ci, co = _outer()
+    step = memox.jit(Outer.chol)
+    for _ in range(3):
+        L, m = step(m)
+    np.testing.assert_allclose(L, _reference(m), rtol=1e-6)
+    assert (ci.n, co.n) == (1, 1)
+
+
+def test_submodule_method_called_from_root():
+    m, ci, _ = _outer()
+    _, m = memox.call(m, lambda t: t.inner.gram())
+    _, m = memox.call(m, lambda t: t.inner.gram())
+    assert ci.n == 1 and memox.stats(m)["inner.gram_cache"].hits == 1
+
+
+def test_module_rebuilt_inside_fn_still_finds_its_slot():
+    c = Counter()
+    f = memox.init(foo(c))
+
+    def fn(m):
+        # partition/combine (as eqx.filter_grad does) rebuilds every module object
+        dyn, static = eqx.partition(m, eqx.is_inexact_array)
+        return eqx.combine(dyn, static).b()
+
+    _, f = memox.call(f, fn)
+    _, f = memox.call(f, fn)
+    assert c.n == 1 and memox.stats(f)["b_cache"].hits == 1
+
+
+def test_pytree_of_modules():
+    c1, c2 = Counter(), Counter()
+    pair = (foo(c1), foo(c2, n=2))
+    (b1, b2), pair = memox.call(pair, lambda p: (p[0].b(), p[1].b()))
+    (b1, b2), pair = memox.call(pair, lambda p: (p[0].b(), p[1].b()))
+    assert (c1.n, c2.n) == (1, 1)
+    assert set(memox.stats(pair)) == {"[0].b_cache", "[1].b_cache"}
+
+
+class Tuple(eqx.Module):
+    a: jax.Array
+    cache: Memo[tuple] = Memo()
+
+    @memox.cached("cache")
+    def parts(self):
+        return {
+            "eig": jnp.linalg.eigh(self.a),
+            "n": jnp.asarray(self.a.shape[0], jnp.int32),
+            "flag": self.a[0, 0] > 0,
+            "z": (1 + 2j) * self.a.astype(jnp.complex64),
+            "half": self.a.astype(jnp.float16),
+        }
+
+
+def test_pytree_values_of_mixed_dtypes_round_trip():
+    a = jnp.arange(4.0).reshape(2, 2)
+    a = a + a.T
+    m = Tuple(a)
+    v1, m = memox.call(m, Tuple.parts)
+    v2, m = memox.call(m, Tuple.parts)
+    assert memox.stats(m)["cache"].hits == 1
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), v1, v2)
+    jax.tree.map(lambda x, y: (x.dtype == y.dtype) or (_ for _ in ()).throw(AssertionError), v1, v2)
+    assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(m.cache))
+
+
+def test_clear_keeps_allocation_and_forces_recompute():
+    c = Counter()
+    f = foo(c)
+    _, f = memox.call(f, Foo.b)
+    treedef = jax.tree.structure(f)
+    f = memox.clear(f)
+    assert jax.tree.structure(f) == treedef
+    _, f = memox.call(f, Foo.b)
+    assert c.n == 2
+    assert memox.stats(f)["b_cache"] == memox.SlotStats(hits=0, misses=2)
+
+
+def test_init_allocates_without_computing():
+    c = Counter()
+    f = memox.init(foo(c))
+    assert c.n == 0 and f.b_cache.allocated and not bool(f.b_cache.valid)
+    assert memox.stats(f) == {"b_cache": memox.SlotStats(hits=0, misses=0)}
+
+
+def test_init_with_fn_allocates_argument_keyed_slots():
+    c = Counter()
+    m = Args(jnp.eye(3), c)
+    assert not memox.init(m).cache.allocated  # takes an argument: not allocated alone
+    m = memox.init(m, Args.apply, jnp.ones(3))
+    assert m.cache.allocated and c.n == 0
