@@ -2,14 +2,14 @@
 
 `functools.cached_property` (the classic trap: lost under `jax.jit`), a hand-made cache
 field, and `memox`. `b` is always computed by `expensive`, whose `jax.debug.callback`
-bumps a Python counter each time the computation *executes*, eagerly or inside compiled
-code; tracing does not count. Every number in the table comes from that counter.
+bumps a counter each time the computation *executes*, eagerly or inside compiled code;
+tracing does not count. Every number in the table comes from that counter.
 """
 
-import dataclasses
+import collections
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -19,17 +19,11 @@ import memox
 from memox import Memo
 
 
-COMPUTED = 0  # executions of `expensive`
-TRACES = 0  # traces of the jitted functions
-
-
-def _tick() -> None:
-    global COMPUTED
-    COMPUTED += 1
+COUNTS = collections.Counter()  # "computed": executions of `expensive`; "traces": of jits
 
 
 def expensive(a: jax.Array) -> jax.Array:
-    jax.debug.callback(_tick)  # runs once per execution, eager or compiled
+    jax.debug.callback(lambda: COUNTS.update(["computed"]))  # per execution, not per trace
     return jnp.sum(a)
 
 
@@ -65,31 +59,32 @@ class MemoFoo(eqx.Module):
         return expensive(self.a)
 
 
-@dataclasses.dataclass
-class Approach:
+class Approach(NamedTuple):
     name: str
     cls: type
-    get: Callable[[Any], tuple[jax.Array, Any]]  # foo -> (b, foo), eagerly or in a scan
-    jit: Callable[[Any], Callable]  # -> the user's compiled version of `get`
+    get: Callable[[Any], tuple[jax.Array, Any]]  # foo -> (b, foo), eager or in a scan body
+    jit: Callable[[Callable], Callable] = eqx.filter_jit  # how the user compiles `body`
+    body: Callable[[Any], Any] | None = None  # what is compiled, if not `get`
     carry: Callable[[Any], Any] = lambda foo: foo  # makes `foo` a `lax.scan` carry
 
 
-def traced(fn: Callable) -> Callable:
-    def counting(foo):
-        global TRACES
-        TRACES += 1  # a Python side effect: runs at trace time only
-        return fn(foo)
-
-    return counting
+def call_b(foo: MemoFoo) -> tuple[jax.Array, MemoFoo]:
+    return memox.call(foo, MemoFoo.b)
 
 
-APPROACHES = [
-    Approach("cached_property", PropFoo, lambda f: (f.b, f),
-             lambda: eqx.filter_jit(traced(lambda f: (f.b, f)))),
-    Approach("cache field", FieldFoo, FieldFoo.b, lambda: eqx.filter_jit(traced(FieldFoo.b))),
-    Approach("memox", MemoFoo, lambda f: memox.call(f, MemoFoo.b),
-             lambda: memox.jit(traced(lambda f: f.b())), carry=memox.init),
+APPROACHES = [  # a scan carry needs memox's slots allocated: `memox.init`
+    Approach("cached_property", PropFoo, lambda f: (f.b, f)),
+    Approach("cache field", FieldFoo, FieldFoo.b),
+    Approach("memox", MemoFoo, call_b, memox.jit, MemoFoo.b, memox.init),
 ]
+
+
+def compiled(ap: Approach) -> Callable:
+    def body(foo):
+        COUNTS.update(["traces"])  # a Python side effect: once per trace
+        return (ap.body or ap.get)(foo)
+
+    return ap.jit(body)
 
 
 def eager_twice(ap: Approach, foo: Any) -> None:
@@ -99,7 +94,7 @@ def eager_twice(ap: Approach, foo: Any) -> None:
 
 def eager_then_jit(ap: Approach, foo: Any) -> None:
     _, foo = ap.get(foo)
-    _, foo = ap.jit()(foo)
+    _, foo = compiled(ap)(foo)
 
 
 def jit_three_times(ap: Approach, foo: Any) -> None:
@@ -107,7 +102,7 @@ def jit_three_times(ap: Approach, foo: Any) -> None:
     # call as `b_cache` went from `None` to an array. So does (1): the module returned by
     # `eqx.filter_jit` has no `b`, yet carries Equinox's empty wrapper metadata
     # (`__module__`, `__doc__`, ...) in its `__dict__`, which changes its treedef.
-    step = ap.jit()
+    step = compiled(ap)
     for _ in range(3):
         _, foo = step(foo)
 
@@ -132,24 +127,24 @@ SCENARIOS = [  # (label, scenario, computations an ideal cache needs)
     ("(d) lax.scan, 5 steps", scan_five, 1),
     ("(e) change a, then b again", change_a, 2),
 ]
-WHY = {  # why a scan carry fails, printed under the error
-    "cached_property": "the value in `__dict__` changes the Module's Equinox metadata",
-    "cache field": "`b_cache` goes from `None` to an array",
+WHY = {  # printed under an error, where we know why it happens
+    ("cached_property", scan_five): "`b` in `__dict__` changes the carry's Equinox metadata.",
+    ("cache field", scan_five): "`b_cache` goes from `None` to an array in the carry.",
 }
 
 
 def measure(ap: Approach, scenario: Callable, notes: list[str]) -> tuple[str, int | None, bool]:
     """A cell's text, its count (None on error), and whether its result was stale."""
-    global COMPUTED, TRACES
-    COMPUTED = TRACES = 0
+    COUNTS.clear()
     try:
         stale = scenario(ap, ap.cls(jnp.ones((3, 3)))) or ""
         jax.effects_barrier()  # every pending callback has run
     except Exception as e:
-        notes.append(f"[{len(notes) + 1}] {ap.name}: {type(e).__name__}: {str(e)[:60]}...\n"
-                     f"    why: {WHY.get(ap.name, 'unexpected')}: the carry changed structure.")
+        notes.append(f"[{len(notes) + 1}] {ap.name}: {type(e).__name__}: {str(e)[:60]}...")
+        notes[-1] += f"\n    why: {WHY[ap.name, scenario]}" if (ap.name, scenario) in WHY else ""
         return f"error [{len(notes)}]", None, False
-    return f"{COMPUTED}{f' ({TRACES} traces)' if TRACES > 1 else ''}{stale}", COMPUTED, bool(stale)
+    n, traces = COUNTS["computed"], COUNTS["traces"]
+    return f"{n}{f' ({traces} traces)' if traces > 1 else ''}{stale}", n, bool(stale)
 
 
 def main() -> None:
@@ -162,10 +157,10 @@ def main() -> None:
     print("-" * w0 + "-+-" + "-+-".join("-" * w for w in ws))
     for (label, _, _), row in zip(SCENARIOS, cells):
         print(label.ljust(w0) + " | " + " | ".join(c[0].ljust(w) for c, w in zip(row, ws)))
-    print("\n" + "\n".join(notes))
-    print("STALE: the value returned is not sum(a) for the new `a`.\n")
+    print("\n" + "\n".join(notes) + "\nSTALE: the value returned is not sum(a) for the new `a`.")
+    print("cached_property is used on an `eqx.Module` itself: Equinox accepts it silently.\n")
     for j, ap in enumerate(APPROACHES):
-        ran = [(row[j], ideal) for row, (_, _, ideal) in zip(cells, SCENARIOS) if row[j][1] is not None]
+        ran = [(r[j], n) for r, (_, _, n) in zip(cells, SCENARIOS) if r[j][1] is not None]
         extra = sum(c[1] - ideal for c, ideal in ran if not c[2])  # over correct results only
         errors, stale = len(cells) - len(ran), sum(c[2] for c, _ in ran)
         print(f"{ap.name:<16} extra computations: {extra}   errors: {errors}   stale: {stale}")

@@ -51,14 +51,14 @@ class Frame:
                 self._alive.append(site.owner)
 
     def _index_slot(self, path: Path, slot: Memo) -> None:
-        if slot.key is not None:
+        if slot.allocated:
             self._by_key[id(slot.key)] = path
             self._alive.append(slot.key)
 
     def find(self, owner: Any, field: str) -> Path | None:
         """The path of `owner.<field>` if that slot is threaded through this frame."""
         slot = getattr(owner, field, None)
-        if isinstance(slot, Memo) and slot.key is not None:
+        if isinstance(slot, Memo) and slot.allocated:
             path = self._by_key.get(id(slot.key))
             if path is not None and path[-1].name == field:
                 return path

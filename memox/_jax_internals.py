@@ -1,4 +1,6 @@
-"""Which JAX trace a value belongs to: the one place memox reads JAX internals.
+"""Which JAX trace a value belongs to, and which inputs a jaxpr uses.
+
+With `_flops.py` (roofline's rule table), the only place memox reads JAX internals.
 
 memox must refuse to store a tracer in a slot that lives at an outer level (a tracer
 leak), and must know when it runs inside a loop body, where a slot cannot change its

@@ -1,7 +1,7 @@
 """`Memo`: the cache slot, and how a cached value is stored in it.
 
-A slot is an ordinary pytree node. Empty (`Memo()`), it has no leaves. Allocated, it
-holds fixed-shape arrays whatever its state:
+A slot is an ordinary pytree node with five leaves. Empty (`Memo()`), each leaf is the
+`EMPTY` marker. Allocated, they are fixed-shape arrays whatever the slot's state:
 
 - `value`: the cached value as one array of bit patterns, so that no slot leaf is ever
   an inexact array. That is what makes slots invisible to `eqx.filter(...,
@@ -14,8 +14,11 @@ holds fixed-shape arrays whatever its state:
 - `hits`, `misses`: scalar `int32` counters.
 
 A slot has no static metadata: how to decode `value` is known to the cached method
-(see `Spec`). Filling, hitting and invalidating a slot never change the structure: an
-allocated slot is legal as a `lax.scan` carry and never retraces.
+(see `Spec`). So allocating, filling, hitting and invalidating a slot never change the
+tree structure: a filter spec or an optimizer state made from a freshly constructed
+model fits it for good, and an allocated slot is legal as a `lax.scan` carry and never
+retraces. (An empty slot's markers are not arrays: `eqx.filter_jit` treats them as
+static, while `jax.jit` and `lax.scan` need the module allocated by `memox.init`.)
 """
 
 from __future__ import annotations
@@ -147,6 +150,27 @@ def storage_struct(spec: Spec) -> tuple[tuple[int, ...], np.dtype]:
     return ((*shape, 2) if real != dtype else shape), _bits_dtype(real)
 
 
+class _Empty:
+    """The leaves of an empty slot."""
+
+    _instance: _Empty | None = None
+
+    def __new__(cls) -> _Empty:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> str:
+        return "EMPTY"
+
+    def __repr__(self) -> str:
+        # Shown by JAX when an empty slot reaches `jax.jit` or `lax.scan` as an argument.
+        return "<empty memox.Memo slot: allocate it first with `module = memox.init(module)`>"
+
+
+EMPTY = _Empty()
+
+
 class Memo(eqx.Module, Generic[T]):
     """A cache slot. Declare one per cached method, as a field of an `eqx.Module`.
 
@@ -169,23 +193,24 @@ class Memo(eqx.Module, Generic[T]):
         ```
     """
 
-    value: Array | None = None
-    valid: Bool[Array, ""] | None = None
-    key: UInt32[Array, "2"] | None = None
-    hits: Int[Array, ""] | None = None
-    misses: Int[Array, ""] | None = None
+    value: Array | _Empty | None = EMPTY
+    valid: Bool[Array, ""] | _Empty | None = EMPTY
+    key: UInt32[Array, "2"] | _Empty | None = EMPTY
+    hits: Int[Array, ""] | _Empty | None = EMPTY
+    misses: Int[Array, ""] | _Empty | None = EMPTY
 
     @property
     def allocated(self) -> bool:
-        return self.value is not None
+        """Whether the slot holds arrays (`False` when empty, or when filtered out)."""
+        return self.value is not EMPTY and self.value is not None
 
     def holds(self, spec: Spec) -> bool:
         """Whether this slot is allocated for values of `spec`."""
-        return self.value is not None and (self.value.shape, self.value.dtype) == storage_struct(spec)
+        return self.allocated and (self.value.shape, self.value.dtype) == storage_struct(spec)
 
     def decoded(self, spec: Spec) -> PyTree[Array]:
         """The stored value, as a value of `spec` (meaningful only where `valid`)."""
-        assert self.value is not None
+        assert self.allocated
         return decode(self.value, spec)
 
 

@@ -1,0 +1,105 @@
+"""`memox.jit`: compiled once, hits inside, and no copies across the boundary."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from helpers import Counter, Foo, foo
+
+import memox
+from memox import Memo
+
+
+def test_canonical_loop_traces_once_without_init():
+    c = Counter()
+    traces = []
+
+    def step(f, x):
+        traces.append(None)
+        return f.b() * x
+
+    step = memox.jit(step)
+    f = foo(c)  # never init-ed: memox.jit allocates before it traces
+    for i in range(4):
+        y, f = step(f, jnp.float32(i))
+    assert len(traces) == 1
+    assert c.n == 1
+    assert y == 3 * jnp.sum(f.a)
+    assert memox.stats(f)["b_cache"] == memox.SlotStats(hits=3, misses=1)
+
+
+def test_dependency_change_recomputes_without_retrace():
+    c = Counter()
+    traces = []
+
+    def b(f):
+        traces.append(None)
+        return f.b()
+
+    step = memox.jit(b)
+    f = foo(c)
+    _, f = step(f)
+    f = eqx.tree_at(lambda t: t.a, f, f.a.at[0, 0].add(1.0))
+    out, f = step(f)
+    assert out == jnp.sum(f.a)
+    assert (c.n, len(traces)) == (2, 1)
+
+
+def test_unchanged_leaves_are_the_callers_arrays():
+    c = Counter()
+    f = foo(c)
+    use_b = memox.jit(lambda t: t.b())
+    _, f1 = use_b(f)
+    _, f2 = use_b(f1)
+    assert f2.a is f.a  # the parameter never crossed the jit boundary
+    assert f2.b_cache.value is not f1.b_cache.value  # the slot did (hit counted)
+
+
+class Two(eqx.Module):
+    a: jax.Array
+    counter: Counter = eqx.field(static=True)
+    first: Memo[jax.Array] = Memo()
+    second: Memo[jax.Array] = Memo()
+
+    @memox.cached("first")
+    def one(self):
+        self.counter.tick()
+        return self.a + 1
+
+    @memox.cached("second")
+    def two(self):
+        return self.a + 2
+
+
+def test_slots_not_touched_are_not_returned():
+    m = Two(jnp.ones(3), Counter())
+    _, m1 = memox.call(m, Two.two)
+    _, m2 = memox.jit(Two.one)(m1)
+    assert m2.second.value is m1.second.value
+    assert m2.a is m1.a
+
+
+def test_result_and_module_match_call():
+    c = Counter()
+    f = foo(c)
+    b_call, f_call = memox.call(f, Foo.b)
+    b_jit, f_jit = memox.jit(Foo.b)(f)
+    assert b_call == b_jit
+    assert jax.tree.structure(f_call) == jax.tree.structure(f_jit)
+    assert memox.stats(f_call) == memox.stats(f_jit)
+
+
+def test_keyword_and_static_arguments():
+    c = Counter()
+    traces = []
+
+    def fn(f, x, *, power):
+        traces.append(power)
+        return f.b() * x**power
+
+    step = memox.jit(fn)
+    f = foo(c)
+    y, f = step(f, jnp.float32(2), power=2)
+    y, f = step(f, jnp.float32(3), power=2)
+    assert y == 9 * jnp.sum(f.a)
+    y, f = step(f, jnp.float32(3), power=3)  # a static argument: retraces
+    assert traces == [2, 3] and c.n == 1
