@@ -84,6 +84,8 @@ class CachedMethod:
             frame.nested = True
         elif frame is not None:
             path = frame.find(module, self.slot)
+            if path is not None and frame.discover:
+                return _discover(self, frame, path, module, args, kwargs)
             if path is not None:
                 return _memo(self, frame, path, module, args, kwargs)
         return self.fn(module, *args, **kwargs)
@@ -92,11 +94,16 @@ class CachedMethod:
         return f"<memox.cached('{self.slot}') {self.qualname}>"
 
 
+# Parameters that memox validates itself, with messages that say what to do, are typed
+# for static checkers only: a runtime type checker would otherwise answer first.
+SlotName = str if typing.TYPE_CHECKING else Any
+
+
 @typing.overload
 def cached(slot: str, /) -> Callable[[Callable[..., Any]], CachedMethod]: ...
 @typing.overload
 def cached(slot: str, method: Callable[..., Any], /) -> CachedMethod: ...
-def cached(slot: str, method: Callable[..., Any] | None = None, /) -> Any:
+def cached(slot: SlotName, method: Callable[..., Any] | None = None, /) -> Any:
     """Bind a method of an `eqx.Module` to one of its `memox.Memo` slots.
 
     **Arguments:**
@@ -140,9 +147,7 @@ def _check_slot(owner: type, name: str, slot: str) -> None:
     default = next((k.__dict__[slot] for k in owner.__mro__ if slot in k.__dict__), None)
     annotation = annotations[slot]
     if not (isinstance(default, Memo) or _is_memo_annotation(annotation)):
-        shown = annotation if isinstance(annotation, str) else getattr(
-            annotation, "__name__", repr(annotation)
-        )
+        shown = getattr(annotation, "__qualname__", None) or str(annotation)
         raise ValueError(_errors.NOT_A_MEMO_FIELD.format(annotation=shown, **where))
     for other_name, other in cached_methods(owner, skip=name).items():
         if other.slot == slot:
@@ -302,7 +307,9 @@ def _memo(
     # its own) through its miss branch, so that those fill in the same computation.
     owner_path = path[:-1]
     memo_paths = [owner_path + p for p in _slot_paths(module)] if the_plan.nested else []
-    sub_paths = [p for p in memo_paths if p != path and p in frame.store]
+    sub_paths = [
+        p for p in memo_paths if p != path and p in frame.store and frame.store[p].allocated
+    ]
     sub = [frame.store[p] for p in sub_paths]
 
     n_arrays = len(arrays)
@@ -369,6 +376,22 @@ def _memo(
     return value
 
 
+def _discover(
+    method: CachedMethod,
+    frame: _context.Frame,
+    path: Path,
+    module: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Allocate the slot for this call (no cache read or write), then compute."""
+    parts, arrays = _Parts.split(module)
+    arg_parts, arg_arrays = _Parts.split((args, kwargs))
+    spec = plan(method, parts, arrays, arg_parts, arg_arrays).spec
+    frame.write(path, _fit(method, frame, path, frame.store[path], spec), method.qualname)
+    return method.fn(module, *args, **kwargs)
+
+
 def _slot_paths(module: Any) -> list[Path]:
     items = jtu.tree_flatten_with_path(module, is_leaf=is_memo)[0]
     return [p for p, leaf in items if is_memo(leaf)]
@@ -395,10 +418,10 @@ def _fit(method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, sp
     where = dict(method=method.qualname, slot=path_name(path), new=spec.describe())
     if frame.method is not None:
         raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))
+    # An empty slot is never a loop carry (its markers are not arrays), but an allocated
+    # one may be, and then it cannot change shape.
     loop = _jax_internals.inside_loop_body()
-    if loop is not None and not slot.allocated:
-        raise ValueError(_errors.UNALLOCATED_IN_LOOP.format(loop=loop, **where))
-    if loop is not None:
+    if slot.allocated and loop is not None:
         old = f"{slot.value.dtype}{list(slot.value.shape)} (as stored)"
         raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
     fresh = allocate(spec)

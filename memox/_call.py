@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _context, _errors, _jax_internals
+from . import _context, _errors
 from ._cached import method_for, spec_without_arguments
 from ._slot import Memo, Path, allocate, invalidated, is_memo, path_name, replace_slots, slot_sites
 
 
 M = TypeVar("M")
 R = TypeVar("R")
+
+# Validated by `check_fn`, whose message says what to do; typed for static checkers only,
+# so that a runtime type checker does not answer first.
+Fn = Callable[..., R] if TYPE_CHECKING else Any
 
 
 def check_fn(api: str, fn: Any) -> None:
@@ -51,7 +55,7 @@ def allocate_plain_slots(module: M) -> M:
     return replace_slots(module, new)
 
 
-def call(module: M, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> tuple[R, M]:
+def call(module: M, fn: Fn, /, *args: Any, **kwargs: Any) -> tuple[R, M]:
     """Run `fn(module, *args, **kwargs)` with `module`'s cache slots live.
 
     **Arguments:**
@@ -83,20 +87,25 @@ def call(module: M, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> tuple
 
 
 def run(
-    module: M, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: M,
+    fn: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    discover: bool = False,
 ) -> tuple[R, M, dict[Path, Memo]]:
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
-    (with slots allocated), and the slots that changed, by path."""
-    if _jax_internals.inside_loop_body() is None:
-        module = allocate_plain_slots(module)
-    frame = _context.Frame(module)
+    (with slots allocated), and the slots that changed, by path. With `discover`, cached
+    methods only allocate their slots (for `memox.init`)."""
+    module = allocate_plain_slots(module)
+    frame = _context.Frame(module, discover=discover)
     with _context.active(frame):
         result = fn(module, *args, **kwargs)
     before = {site.path: site.slot for site in slot_sites(module)}
     return result, module, {p: s for p, s in frame.store.items() if before.get(p) is not s}
 
 
-def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
+def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
     """Allocate `module`'s slots without computing anything.
 
     **Arguments:**
@@ -117,7 +126,11 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
 
         ```python
         foo = memox.init(Foo(jnp.ones((3, 3))))
-        b, foo = jax.lax.scan(lambda f, _: memox.call(f, Foo.b)[::-1], foo, length=4)
+        def body(foo, x):
+            b, foo = memox.call(foo, Foo.b)
+            return foo, b * x
+
+        foo, ys = jax.lax.scan(body, foo, jnp.arange(4.0))   # b computed once
         ```
     """
     check_module("init", module)
@@ -125,7 +138,11 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
     if fn is None:
         return module
     check_fn("init", fn)
-    shapes = eqx.filter_eval_shape(lambda m, a, k: call(m, fn, *a, **k)[1], module, args, kwargs)
+    def allocated(module, args, kwargs):
+        _, module, changed = run(module, fn, args, kwargs, discover=True)
+        return replace_slots(module, changed)
+
+    shapes = eqx.filter_eval_shape(allocated, module, args, kwargs)
     before = {site.path: site.slot for site in slot_sites(module)}
     new = {
         site.path: jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), site.slot)
@@ -185,7 +202,8 @@ def stats(module: Any) -> dict[str, SlotStats]:
     **Returns:**
 
     A dict from each slot's path in `module` (e.g. `"b_cache"`, `"encoder.gram_cache"`)
-    to its `SlotStats`. Counts are Python ints outside of a trace, arrays inside one.
+    to its `SlotStats`. Counts are Python ints outside of a trace, arrays inside one or
+    for a batched module (one count per element).
 
     !!! Example
 
@@ -203,4 +221,5 @@ def stats(module: Any) -> dict[str, SlotStats]:
 
 
 def _concrete(x: Any) -> int | jax.Array:
-    return x if isinstance(x, jax.core.Tracer) else int(x)
+    # A batched module (e.g. from `jax.vmap(memox.init)`) has a count per element.
+    return x if isinstance(x, jax.core.Tracer) or jnp.ndim(x) else int(x)

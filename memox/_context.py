@@ -32,10 +32,14 @@ from ._slot import Memo, Path, path_name, slot_sites
 class Frame:
     """The slots of one pytree (at root path `prefix`) and their current states."""
 
-    def __init__(self, tree: Any, prefix: Path = (), *, method: str | None = None):
+    def __init__(
+        self, tree: Any, prefix: Path = (), *, method: str | None = None, discover: bool = False
+    ):
         self.trace = _jax_internals.current()
         # The cached method whose miss branch this frame belongs to (None for a call's own).
         self.method = method
+        # Set by `memox.init`: cached methods allocate their slots and compute, no more.
+        self.discover = discover
         self.store: dict[Path, Memo] = {}
         self._by_key: dict[int, Path] = {}
         self._by_owner: dict[int, Path] = {}

@@ -38,14 +38,6 @@ NOT_A_PYTREE = (
     "(`memox.{api}(model, ...)`), not one of its arrays or a plain Python object."
 )
 
-UNALLOCATED_IN_LOOP = (
-    "`{method}` fills slot `{slot}` inside a `{loop}` body, but the slot is not "
-    "allocated yet, and allocating it would change the structure of the module (a "
-    "loop carry must keep its structure). Allocate it before the loop: "
-    "`module = memox.init(module)`, or `module = memox.init(module, step, *args)` for "
-    "a method that takes arguments."
-)
-
 RESHAPED_IN_LOOP = (
     "`{method}` fills slot `{slot}` inside a `{loop}` body with a value of shape "
     "{new}, but the slot was allocated for {old}, and reallocating it would change the "
@@ -76,9 +68,4 @@ UNSUPPORTED_DTYPE = (
     "`{method}` returned a leaf of dtype {dtype}; a `memox.Memo` slot holds boolean, "
     "integer, floating and complex arrays. Return arrays of those dtypes (for a PRNG "
     "key, `jax.random.key_data(key)`), or drop `memox.cached` from this method."
-)
-
-NOT_CACHED = (
-    "`memox.{api}`: `{got}` is not a method decorated with `memox.cached`. Decorate it: "
-    "`@memox.cached(\"slot\")`."
 )

@@ -5,17 +5,23 @@ was computed from; a hit requires the fingerprint of the current dependencies to
 It costs O(1) memory per slot (no copy of the dependencies) and one fused pass over the
 dependencies' bytes per check.
 
-The dynamic part (array dependencies and array arguments) is hashed in-graph, lane by
-lane, as
+The dynamic part (array dependencies and array arguments) is hashed in-graph. Each
+32-bit word `w_i` of an array's bit pattern (position `i`, array number `j`) is mixed
+once and summed into two lanes:
 
-    lane(x) = fmix(salt + sum_i fmix(word_i * A + i * B + leaf_seed))   (mod 2**32)
+    m_i   = fmix(w_i * A + i * B + seed_j)           (MurmurHash3's 32-bit finaliser)
+    lane0 = fmix(salt0 + sum_i m_i)                  (mod 2**32)
+    lane1 = fmix(salt1 + sum_i m_i * ((i * C) | 1))  (mod 2**32)
 
-where `word_i` are the 32-bit words of each array's bit pattern and `fmix` is a
-bijective 32-bit finaliser (MurmurHash3's on lane 0, "lowbias32" on lane 1). Because
-`fmix` and `word -> word * A + c` (odd `A`) are bijections, changing any single element
-always changes each lane: a one-element change is detected with certainty. A change of
-two or more elements collides with probability about 2**-32 per lane, and the two lanes
-use independent constants, so about 2**-64 in all.
+`fmix` and `w -> w * A + c` (odd `A`) are bijections, so changing any single element
+changes `m_i` and therefore lane 0: a one-element change is detected with certainty. For
+a random change of two or more elements the mixed differences are pseudo-random, each
+lane collides with probability about 2**-32, and the two lanes weight them differently
+(odd, position-dependent multipliers in lane 1): about 2**-64 in all.
+
+Cost: one pass over the dependencies' bytes, about a dozen integer operations per word.
+On a 2-core CPU that is ~2 ns per 4-byte word (XLA:CPU's integer loops are far slower
+than its float ones: a 64 MB dependency costs ~30 ms to check, a float sum of it ~2 ms).
 
 The static part (the method, the module's tree structure with its static fields, the
 shapes and dtypes of the dependencies, non-array arguments) is hashed in Python with
@@ -35,11 +41,8 @@ from jax import lax
 from jaxtyping import Array, UInt32
 
 
-# (multiplier A, position multiplier B, fmix shift/multiply constants) per lane.
-_LANES = (
-    (0x9E3779B1, 0x85EBCA77, (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)),
-    (0xC2B2AE3D, 0x27D4EB2F, (16, 0x7FEB352D, 15, 0x846CA68B, 16)),
-)
+_A, _B, _C = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
+_FMIX = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)
 
 
 def static_digest(*parts: object) -> tuple[int, int]:
@@ -53,8 +56,8 @@ def _u32(value: int) -> Array:
     return jnp.uint32(value & 0xFFFFFFFF)
 
 
-def _fmix(h: Array, constants: tuple[int, int, int, int, int]) -> Array:
-    s1, m1, s2, m2, s3 = constants
+def _fmix(h: Array) -> Array:
+    s1, m1, s2, m2, s3 = _FMIX
     h = h ^ (h >> _u32(s1))
     h = h * _u32(m1)
     h = h ^ (h >> _u32(s2))
@@ -84,13 +87,13 @@ def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array,
     is inlined like any nested `jax.jit`."""
     flat = [words(x) for x in leaves]
     total = sum(int(w.size) for w in flat)
-    lanes = []
-    for lane, (mul, step, constants) in enumerate(_LANES):
-        acc = _u32(salt[lane])
-        for index, w in enumerate(flat):
-            seed = static_digest("leaf", index, lane)[0]
-            position = lax.iota(jnp.uint32, w.size) * _u32(step)
-            terms = _fmix(w * _u32(mul) + position + _u32(seed), constants)
-            acc = acc + jnp.sum(terms, dtype=jnp.uint32)
-        lanes.append(_fmix(acc ^ _u32(total), constants))
-    return jnp.stack(lanes)
+    lane0, lane1 = _u32(salt[0]), _u32(salt[1])
+    for index, w in enumerate(flat):
+        position = lax.iota(jnp.uint32, w.size)
+        seed = static_digest("leaf", index)[0]
+        mixed = _fmix(w * _u32(_A) + position * _u32(_B) + _u32(seed))
+        lane0 = lane0 + jnp.sum(mixed, dtype=jnp.uint32)
+        weights = (position * _u32(_C)) | _u32(1)
+        lane1 = lane1 + jnp.sum(mixed * weights, dtype=jnp.uint32)
+    size = _u32(total)
+    return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size)])

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 
-from ._call import allocate_plain_slots, check_fn, check_module, run
+from ._call import Fn, allocate_plain_slots, check_fn, check_module, run
 from ._slot import is_memo, replace_slots
 
 
@@ -26,13 +26,12 @@ def _split(module: Any) -> tuple[Any, Any]:
     return eqx.partition(module, is_memo, is_leaf=is_memo)
 
 
-def jit(fn: Callable[..., Any], /, **jit_kwargs: Any) -> Callable[..., tuple[Any, Any]]:
+def jit(fn: Fn, /) -> Callable[..., tuple[Any, Any]]:
     """Compile `memox.call(module, fn, ...)`, with `eqx.filter_jit` semantics.
 
     **Arguments:**
 
     - `fn`: the function to run, called as `fn(module, *args, **kwargs)`.
-    - `**jit_kwargs`: passed on to `eqx.filter_jit` (e.g. `donate`).
 
     Arrays anywhere in `module` and the arguments are traced; everything else is static.
     Before the first trace, the module's slots for methods without arguments are
@@ -58,7 +57,7 @@ def jit(fn: Callable[..., Any], /, **jit_kwargs: Any) -> Callable[..., tuple[Any
         # Paths are static outputs; the changed slots are the only arrays returned.
         return result, tuple(changed), tuple(changed.values())
 
-    compiled = eqx.filter_jit(slots_only, **jit_kwargs)
+    compiled = eqx.filter_jit(slots_only)
 
     @functools.wraps(fn)
     def wrapped(module: M, /, *args: Any, **kwargs: Any) -> tuple[Any, M]:

@@ -165,7 +165,10 @@ class _Empty:
 
     def __repr__(self) -> str:
         # Shown by JAX when an empty slot reaches `jax.jit` or `lax.scan` as an argument.
-        return "<empty memox.Memo slot: allocate it first with `module = memox.init(module)`>"
+        return (
+            "<empty memox.Memo slot: allocate it first with `module = memox.init(module)`, "
+            "or `memox.init(module, fn, *args)` for a method that takes arguments>"
+        )
 
 
 EMPTY = _Empty()

@@ -1,0 +1,201 @@
+"""Every error names what was wrong and what to do (wording checked)."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import Counter, Foo, foo
+
+import memox
+from memox import Memo
+
+
+def _raised(excinfo):
+    """The memox error, also when Python 3.11 wraps it (errors raised in `__set_name__`)."""
+    err = excinfo.value
+    return err.__cause__ if isinstance(err, RuntimeError) and err.__cause__ else err
+
+
+def test_slot_name_must_be_a_string():
+    with pytest.raises(TypeError, match=r"takes the name of a `memox.Memo` field as a string"):
+        memox.cached(3)
+
+
+def test_unknown_slot():
+    with pytest.raises(Exception) as excinfo:
+
+        class Bad(eqx.Module):
+            a: jax.Array
+
+            @memox.cached("nope")
+            def b(self):
+                return self.a
+
+    err = _raised(excinfo)
+    assert isinstance(err, ValueError)
+    assert str(err) == (
+        "`memox.cached('nope')` on `Bad.b`: `Bad` has no field `nope`. "
+        "Declare it as `nope: memox.Memo[...] = memox.Memo()`."
+    )
+
+
+def test_slot_that_is_not_a_memo_field():
+    with pytest.raises(Exception) as excinfo:
+
+        class Bad(eqx.Module):
+            a: jax.Array
+
+            @memox.cached("a")
+            def b(self):
+                return self.a
+
+    err = _raised(excinfo)
+    assert isinstance(err, ValueError)
+    assert re.search(r"field `a` is declared as `[\w.]*Array`, not as a `memox.Memo`", str(err))
+    assert "Declare it as `a: memox.Memo[...] = memox.Memo()`" in str(err)
+
+
+def test_two_methods_on_one_slot():
+    with pytest.raises(Exception) as excinfo:
+
+        class Bad(eqx.Module):
+            a: jax.Array
+            cache: Memo[jax.Array] = Memo()
+
+            @memox.cached("cache")
+            def one(self):
+                return self.a
+
+            @memox.cached("cache")
+            def two(self):
+                return self.a
+
+    err = _raised(excinfo)
+    assert "slot `cache` is already bound to `Bad.two`" in str(err)
+    assert "Give each cached method a `memox.Memo` field of its own" in str(err)
+
+
+@pytest.mark.parametrize("api", ["call", "init", "jit"])
+def test_fn_must_be_callable(api):
+    f = foo(Counter())
+    with pytest.raises(TypeError, match=rf"`memox.{api}`: `fn` must be callable; got int"):
+        if api == "jit":
+            memox.jit(3)
+        else:
+            getattr(memox, api)(f, 3)
+
+
+def test_bound_method_is_refused():
+    f = foo(Counter())
+    with pytest.raises(TypeError, match=r"`fn` is the bound method .* Pass the unbound method"):
+        memox.call(f, f.b)
+    with pytest.raises(TypeError, match=r"instead: `Foo.b`"):
+        memox.jit(f.b)
+
+
+@pytest.mark.parametrize("module", [object(), jnp.ones(3), 1.0])
+@pytest.mark.parametrize("api", ["call", "init", "clear", "stats", "jit"])
+def test_module_must_be_a_pytree(api, module):
+    with pytest.raises(TypeError, match=rf"`memox.{api}`: `module` must be a pytree holding"):
+        if api == "call":
+            memox.call(module, lambda m: m)
+        elif api == "jit":
+            memox.jit(lambda m: m)(module)
+        else:
+            getattr(memox, api)(module)
+
+
+class Keyed(eqx.Module):
+    w: jax.Array
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def apply(self, x):
+        return self.w * x
+
+
+def test_unallocated_slot_as_scan_carry():
+    m = memox.init(Keyed(jnp.ones(3)))  # takes an argument: not allocated by init(m)
+
+    def body(m, x):
+        y, m = memox.call(m, Keyed.apply, x)
+        return m, y
+
+    with pytest.raises(TypeError) as excinfo:
+        jax.lax.scan(body, m, jnp.ones((4, 3)))
+    assert "`memox.init(module, fn, *args)` for a method that takes arguments" in str(
+        excinfo.value
+    )
+    # The fix works:
+    m = memox.init(m, Keyed.apply, jnp.ones(3))
+    m, ys = jax.lax.scan(body, m, jnp.ones((4, 3)))
+    assert memox.stats(m)["cache"] == memox.SlotStats(hits=3, misses=1)
+
+
+def test_empty_no_argument_slot_as_scan_carry_names_init():
+    f = foo(Counter())
+
+    def body(f, _):
+        return memox.call(f, Foo.b)[1], None
+
+    with pytest.raises(TypeError, match=r"allocate it first with `module = memox.init\(module\)`"):
+        jax.lax.scan(body, f, length=2)
+
+
+def test_reshaped_slot_inside_scan():
+    m = memox.init(Keyed(jnp.ones(())), Keyed.apply, jnp.ones(3))
+
+    def body(m, x):
+        y, m = memox.call(m, Keyed.apply, x)
+        return m, y
+
+    with pytest.raises(ValueError, match=r"with a value of shape float32\[4\], but the slot"):
+        jax.lax.scan(body, m, jnp.ones((2, 4)))
+
+
+class Nested(eqx.Module):
+    inner: Keyed
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def total(self):
+        return self.inner.apply(jnp.ones(3)).sum()
+
+
+def test_unallocated_slot_reached_from_another_cached_method():
+    m = Nested(Keyed(jnp.ones(3)))
+    with pytest.raises(ValueError) as excinfo:
+        memox.call(m, Nested.total)
+    msg = str(excinfo.value)
+    assert "`Keyed.apply` is reached from inside cached `Nested.total`" in msg
+    assert "`module = memox.init(module, fn, *args)`" in msg
+    m = memox.init(m, Nested.total)
+    assert memox.call(m, Nested.total)[0] == 3.0
+
+
+def test_batched_fill_into_unbatched_slot():
+    m = Keyed(jnp.ones(3))
+    with pytest.raises(ValueError) as excinfo:
+        memox.call(m, lambda m: jax.vmap(m.apply)(jnp.ones((2, 3))))
+    msg = str(excinfo.value)
+    assert "`Keyed.apply` updates slot `cache` with values that belong to a JAX" in msg
+    assert "Run `memox.call` inside the transformation instead" in msg
+    # What the message suggests works:
+    ys, _ = jax.vmap(lambda x: memox.call(m, Keyed.apply, x))(jnp.ones((2, 3)))
+    assert ys.shape == (2, 3)
+
+
+class Keys(eqx.Module):
+    seed: jax.Array
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def key(self):
+        return jax.random.key(0)
+
+
+def test_unsupported_value_dtype():
+    with pytest.raises(TypeError, match=r"`Keys.key` returned a leaf of dtype key<fry>.*"):
+        memox.call(Keys(jnp.ones(())), Keys.key)
