@@ -1,0 +1,97 @@
+"""Fingerprints detect changes; stored values round-trip bit for bit in every dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from memox._fingerprint import fingerprint
+from memox._slot import Spec, decode, encode, storage_struct
+
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_,
+          jnp.complex64]
+
+
+def _array(dtype, shape, seed):
+    x = jax.random.normal(jax.random.key(seed), shape)
+    if dtype == jnp.bool_:
+        return x > 0
+    if jnp.issubdtype(dtype, jnp.integer):
+        return (x * 50).astype(dtype)
+    if dtype == jnp.complex64:
+        return jax.lax.complex(x, -x)
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_single_element_change_is_detected(dtype):
+    x = _array(dtype, (5, 4), 0)
+    base = fingerprint([x], (1, 2))
+    flat = x.reshape(-1)
+    bumped = ~flat if dtype == jnp.bool_ else flat + jnp.ones((), dtype)
+    # Row i: x with element i changed.
+    changed = jnp.where(jnp.eye(flat.size, dtype=jnp.bool_), bumped[None, :], flat[None, :])
+    keys = jax.vmap(lambda y: fingerprint([y.reshape(x.shape)], (1, 2)))(changed)
+    assert not jnp.any(jnp.all(keys == base[None, :], axis=1))
+
+
+_WORDS = st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=16)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_WORDS, _WORDS)
+def test_different_contents_give_different_keys(a, b):
+    a, b = np.asarray(a, np.uint32), np.asarray(b, np.uint32)
+    if (a == b).all():
+        return
+    assert not jnp.all(fingerprint([a], (0, 0)) == fingerprint([b], (0, 0)))
+
+
+def test_swapping_and_sign_flips_are_detected():
+    x = jnp.arange(1.0, 9.0)
+    base = fingerprint([x], (0, 0))
+    swapped = x.at[2].set(x[5]).at[5].set(x[2])
+    flipped = x.at[0].set(-x[0]).at[7].set(-x[7])
+    for y in (swapped, flipped, -x, x[::-1]):
+        assert not jnp.all(fingerprint([y], (0, 0)) == base)
+
+
+def test_deterministic_eager_and_jitted():
+    x = _array(jnp.float32, (16,), 3)
+    y = _array(jnp.int8, (3, 2), 4)
+    eager = fingerprint([x, y], (5, 6))
+    jitted = jax.jit(lambda x, y: fingerprint([x, y], (5, 6)))(x, y)
+    assert eager.dtype == jnp.uint32 and eager.shape == (2,)
+    np.testing.assert_array_equal(eager, jitted)
+    assert not jnp.all(fingerprint([x, y], (5, 7)) == eager)  # salt matters
+    assert not jnp.all(fingerprint([y, x], (5, 6)) == eager)  # so does the order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (3,), (2, 5)])
+def test_single_array_round_trips_and_keeps_its_shape(dtype, shape):
+    x = _array(dtype, shape, 1)
+    spec = Spec.of(x)
+    stored = encode(x, spec)
+    assert (stored.shape, stored.dtype) == storage_struct(spec)
+    assert not jnp.issubdtype(stored.dtype, jnp.inexact)
+    if dtype != jnp.complex64:
+        assert stored.shape == shape
+    back = decode(stored, spec)
+    assert back.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+def test_pytree_values_pack_into_bytes():
+    value = {"a": _array(jnp.float32, (2, 3), 0), "b": (_array(jnp.bool_, (5,), 1),
+             _array(jnp.complex64, (2,), 2), _array(jnp.bfloat16, (), 3))}
+    spec = Spec.of(value)
+    stored = encode(value, spec)
+    assert stored.dtype == jnp.uint8 and stored.shape == storage_struct(spec)[0]
+    back = decode(stored, spec)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)),
+                 back, value)
+    empty = Spec.of(())
+    assert decode(encode((), empty), empty) == ()
