@@ -268,11 +268,15 @@ def plan(
         closed, out = jax.make_jaxpr(run, return_shape=True)(*structs)
     for leaf in jtu.tree_leaves(out):
         if not any(jnp.issubdtype(leaf.dtype, t) for t in _SUPPORTED):
-            raise TypeError(_errors.UNSUPPORTED_DTYPE.format(method=method.qualname, dtype=leaf.dtype))
+            raise TypeError(
+                _errors.UNSUPPORTED_DTYPE.format(method=method.qualname, dtype=leaf.dtype)
+            )
     used_inputs = _jax_internals.used_inputs(closed)
     used = tuple(i for i in range(len(arrays)) if used_inputs[i])
     spec = Spec.of(out)
-    salt = static_digest(method.qualname, static, used, [avals[0][i] for i in used], avals[1], spec)
+    salt = static_digest(
+        method.qualname, static, used, [avals[0][i] for i in used], avals[1], spec
+    )
     found = Plan(used, plain.nested, spec, salt)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -406,7 +410,11 @@ def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
     for t, x in zip(tangents, primals):
         if isinstance(t, SymbolicZero):
             dtype = t.aval.dtype
-            t = np.zeros(x.shape, dtype) if dtype == jax.dtypes.float0 else jnp.zeros(x.shape, dtype)
+            t = (
+                np.zeros(x.shape, dtype)
+                if dtype == jax.dtypes.float0
+                else jnp.zeros(x.shape, dtype)
+            )
         out.append(t)
     return out
 

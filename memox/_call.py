@@ -32,8 +32,10 @@ def check_fn(api: str, fn: Any) -> None:
         name = getattr(fn, "__name__", "method")
         raise TypeError(
             _errors.BOUND_METHOD.format(
-                api=api, method=f"{type(owner).__name__}(...).{name}",
-                cls=type(owner).__name__, name=name,
+                api=api,
+                method=f"{type(owner).__name__}(...).{name}",
+                cls=type(owner).__name__,
+                name=name,
             )
         )
 
@@ -138,6 +140,7 @@ def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
     if fn is None:
         return module
     check_fn("init", fn)
+
     def allocated(module, args, kwargs):
         _, module, changed = run(module, fn, args, kwargs, discover=True)
         return replace_slots(module, changed)

@@ -2,7 +2,7 @@
 
 SLOT_NAME_NOT_STR = (
     "`memox.cached` takes the name of a `memox.Memo` field as a string, e.g. "
-    "`@memox.cached(\"b_cache\")`; got {slot!r}."
+    '`@memox.cached("b_cache")`; got {slot!r}.'
 )
 
 UNKNOWN_SLOT = (

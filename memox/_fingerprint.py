@@ -80,7 +80,7 @@ def words(x: Array) -> UInt32[Array, " n"]:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
+def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
     """The 64-bit fingerprint of the values of `leaves`, salted by a static digest.
 
     Jitted so that an eager `memox.call` checks a slot in one dispatch; inside a trace it

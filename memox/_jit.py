@@ -68,4 +68,3 @@ def jit(fn: Fn, /) -> Callable[..., tuple[Any, Any]]:
         return result, replace_slots(module, dict(zip(paths, new_slots)))
 
     return wrapped
-

@@ -71,7 +71,9 @@ class Spec:
 
 def _float_view(dtype: np.dtype) -> np.dtype:
     """The real dtype a value is seen as before it is stored (complex: its parts)."""
-    return np.dtype(jnp.finfo(dtype).dtype) if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
+    return (
+        np.dtype(jnp.finfo(dtype).dtype) if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
+    )
 
 
 def _as_real(x: Array) -> Array:
@@ -120,7 +122,11 @@ def encode(value: PyTree[Array], spec: Spec) -> Array:
     leaves = jtu.tree_leaves(value)
     if not spec.packed:
         x = _as_real(leaves[0])
-        return lax.bitcast_convert_type(x, _bits_dtype(x.dtype)) if x.dtype != _bits_dtype(x.dtype) else x
+        return (
+            lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+            if x.dtype != _bits_dtype(x.dtype)
+            else x
+        )
     if not leaves:
         return jnp.zeros((0,), jnp.uint8)
     return jnp.concatenate([_to_bytes(x) for x in leaves])
@@ -198,7 +204,7 @@ class Memo(eqx.Module, Generic[T]):
 
     value: Array | _Empty | None = EMPTY
     valid: Bool[Array, ""] | _Empty | None = EMPTY
-    key: UInt32[Array, "2"] | _Empty | None = EMPTY
+    key: UInt32[Array, 2] | _Empty | None = EMPTY
     hits: Int[Array, ""] | _Empty | None = EMPTY
     misses: Int[Array, ""] | _Empty | None = EMPTY
 

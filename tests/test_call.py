@@ -245,7 +245,9 @@ def test_pytree_values_of_mixed_dtypes_round_trip():
     v2, m = memox.call(m, Tuple.parts)
     assert memox.stats(m)["cache"].hits == 1
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), v1, v2)
-    jax.tree.map(lambda x, y: (x.dtype == y.dtype) or (_ for _ in ()).throw(AssertionError), v1, v2)
+    jax.tree.map(
+        lambda x, y: (x.dtype == y.dtype) or (_ for _ in ()).throw(AssertionError), v1, v2
+    )
     assert not any(eqx.is_inexact_array(x) for x in jax.tree.leaves(m.cache))
 
 

@@ -10,8 +10,16 @@ from memox._fingerprint import fingerprint
 from memox._slot import Spec, decode, encode, storage_struct
 
 
-DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_,
-          jnp.complex64]
+DTYPES = [
+    jnp.float32,
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.int32,
+    jnp.int8,
+    jnp.uint8,
+    jnp.bool_,
+    jnp.complex64,
+]
 
 
 def _array(dtype, shape, seed):
@@ -85,13 +93,20 @@ def test_single_array_round_trips_and_keeps_its_shape(dtype, shape):
 
 
 def test_pytree_values_pack_into_bytes():
-    value = {"a": _array(jnp.float32, (2, 3), 0), "b": (_array(jnp.bool_, (5,), 1),
-             _array(jnp.complex64, (2,), 2), _array(jnp.bfloat16, (), 3))}
+    value = {
+        "a": _array(jnp.float32, (2, 3), 0),
+        "b": (
+            _array(jnp.bool_, (5,), 1),
+            _array(jnp.complex64, (2,), 2),
+            _array(jnp.bfloat16, (), 3),
+        ),
+    }
     spec = Spec.of(value)
     stored = encode(value, spec)
     assert stored.dtype == jnp.uint8 and stored.shape == storage_struct(spec)[0]
     back = decode(stored, spec)
-    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)),
-                 back, value)
+    jax.tree.map(
+        lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), back, value
+    )
     empty = Spec.of(())
     assert decode(encode((), empty), empty) == ()

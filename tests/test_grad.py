@@ -113,8 +113,8 @@ def test_grad_through_scan_equals_unmemoized():
         k0 = eqx.tree_at(lambda t: t.log_scale, k, s)
 
         def body(k, w):
-            l, k = _loss_memo(k, w * y)
-            return k, l
+            value, k = _loss_memo(k, w * y)
+            return k, value
 
         return jax.lax.scan(body, k0, jnp.arange(1.0, 4.0))[1].sum()
 

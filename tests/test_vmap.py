@@ -44,8 +44,9 @@ def test_call_inside_vmap_with_unbatched_module_stays_unbatched():
     f = memox.init(foo(c))
     _, f = memox.call(f, Foo.b)
     xs = jnp.arange(3.0)
-    run = jax.vmap(lambda f, x: memox.call(f, lambda m: m.b() * x), in_axes=(None, 0),
-                   out_axes=(0, None))
+    run = jax.vmap(
+        lambda f, x: memox.call(f, lambda m: m.b() * x), in_axes=(None, 0), out_axes=(0, None)
+    )
     names = _primitives(jax.make_jaxpr(run)(f, xs).jaxpr)
     assert "cond" in names
     ys, f2 = run(f, xs)
