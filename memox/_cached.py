@@ -40,17 +40,10 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _context, _errors, _jax_internals
 from ._fingerprint import fingerprint, static_digest
-from ._slot import (
-    Memo,
-    Path,
-    Spec,
-    allocate,
-    counted_hit,
-    filled,
-    is_memo,
-    path_name,
-    strong,
-)
+from ._flops import flops_of_jaxpr
+from ._policy import Exact, Policy, fresh
+from ._slot import Memo, Path, allocate, is_memo, lookup, path_name, stored, strong, touched
+from ._storage import Spec, pack, packed_size, unpack
 
 
 # -- the decorator --------------------------------------------------------------------
@@ -59,10 +52,11 @@ from ._slot import (
 class CachedMethod:
     """A method bound to a `Memo` slot (what `memox.cached` returns)."""
 
-    def __init__(self, fn: Callable[..., Any], slot: str):
+    def __init__(self, fn: Callable[..., Any], slot: str, policy: Policy):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.slot = slot
+        self.policy = policy
         self.qualname: str = getattr(fn, "__qualname__", repr(fn))
         params = list(inspect.signature(fn).parameters.values())[1:]
         required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -97,19 +91,28 @@ class CachedMethod:
 # Parameters that memox validates itself, with messages that say what to do, are typed
 # for static checkers only: a runtime type checker would otherwise answer first.
 SlotName = str if typing.TYPE_CHECKING else Any
+PolicyArg = Policy | None if typing.TYPE_CHECKING else Any
 
 
 @typing.overload
-def cached(slot: str, /) -> Callable[[Callable[..., Any]], CachedMethod]: ...
+def cached(
+    slot: str, /, *, policy: Policy = ...
+) -> Callable[[Callable[..., Any]], CachedMethod]: ...
 @typing.overload
-def cached(slot: str, method: Callable[..., Any], /) -> CachedMethod: ...
-def cached(slot: SlotName, method: Callable[..., Any] | None = None, /) -> Any:
+def cached(slot: str, method: Callable[..., Any], /, *, policy: Policy = ...) -> CachedMethod: ...
+def cached(
+    slot: SlotName, method: Callable[..., Any] | None = None, /, *, policy: PolicyArg = None
+) -> Any:
     """Bind a method of an `eqx.Module` to one of its `memox.Memo` slots.
 
     **Arguments:**
 
     - `slot`: the name of a field of the same class declared as `memox.Memo[...]`.
     - `method`: the method (usually omitted: `cached("slot")` is a decorator).
+    - `policy`: when a stored value may be reused (`memox.policies`): `Exact()` (the
+      default) while nothing it depends on has changed; `Drift(rtol=...)` while its
+      dependencies stay within a tolerance; `Manual()` until `memox.invalidate`. Each
+      takes `max_age=k` to recompute after `k` hits.
 
     Inside `memox.call` or `memox.jit`, the method returns the slot's value when nothing
     it depends on has changed (the module's arrays it reads, the module's static fields,
@@ -132,9 +135,12 @@ def cached(slot: SlotName, method: Callable[..., Any] | None = None, /) -> Any:
     """
     if not isinstance(slot, str):
         raise TypeError(_errors.SLOT_NAME_NOT_STR.format(slot=slot))
+    policy = Exact() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(_errors.NOT_A_POLICY.format(got=type(policy).__name__))
     if method is None:
-        return lambda fn: CachedMethod(fn, slot)
-    return CachedMethod(method, slot)
+        return lambda fn: CachedMethod(fn, slot, policy)
+    return CachedMethod(method, slot, policy)
 
 
 def _check_slot(owner: type, name: str, slot: str) -> None:
@@ -241,7 +247,12 @@ class Plan:
     used: tuple[int, ...]  # which of the module's arrays the method reads
     nested: bool  # whether it calls other cached methods
     spec: Spec  # what it returns
+    deps: Spec  # what it reads (the used arrays), for snapshots
     salt: tuple[int, int]  # static part of the fingerprint
+    flops: int  # of one computation, nested cached methods included
+
+    def snapshot_bytes(self, policy: Policy) -> int:
+        return packed_size(self.deps) if policy.snapshots else 0
 
 
 _PLANS: dict[Any, Plan] = {}
@@ -274,19 +285,20 @@ def plan(
     used_inputs = _jax_internals.used_inputs(closed)
     used = tuple(i for i in range(len(arrays)) if used_inputs[i])
     spec = Spec.of(out)
+    deps = Spec.of([structs[0][i] for i in used])
     salt = static_digest(
-        method.qualname, static, used, [avals[0][i] for i in used], avals[1], spec
+        method.qualname, method.policy, static, used, [avals[0][i] for i in used], avals[1], spec
     )
-    found = Plan(used, plain.nested, spec, salt)
+    found = Plan(used, plain.nested, spec, deps, salt, flops_of_jaxpr(closed))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[cache_key] = found
     return found
 
 
-def spec_without_arguments(method: CachedMethod, owner: Any) -> Spec:
-    """What `method(owner)` returns, from its plan (no FLOPs spent)."""
-    return plan(method, *_Parts.split(owner), *_Parts.split(((), {}))).spec
+def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
+    """The plan of `method(owner)` (no FLOPs spent)."""
+    return plan(method, *_Parts.split(owner), *_Parts.split(((), {})))
 
 
 # -- the memoised operation -----------------------------------------------------------
@@ -303,7 +315,8 @@ def _memo(
     parts, arrays = _Parts.split(module)
     arg_parts, arg_arrays = _Parts.split((args, kwargs))
     the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
-    slot = _fit(method, frame, path, frame.store[path], the_plan.spec)
+    policy = method.policy
+    slot = _fit(method, frame, path, frame.store[path], the_plan)
     used = set(the_plan.used)
     deps = [x for i, x in enumerate(arrays) if i in used]
     others = [x for i, x in enumerate(arrays) if i not in used]
@@ -336,18 +349,27 @@ def _memo(
         return strong(value), sub
 
     def key_of(deps, arg_arrays):
-        return fingerprint([*deps, *arg_arrays], the_plan.salt)
+        keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
+        return fingerprint(keyed, the_plan.salt)
 
-    def hit_branch(deps, others, arg_arrays, slot, sub):
-        return slot.decoded(the_plan.spec), counted_hit(slot), sub
+    def store(slot, value, deps, arg_arrays):
+        snapshot = pack(deps) if policy.snapshots else jnp.zeros((0,), jnp.uint8)
+        return stored(slot, value, the_plan.spec, key_of(deps, arg_arrays), snapshot)
 
-    def miss_branch(deps, others, arg_arrays, slot, sub):
+    def hit_branch(index, deps, others, arg_arrays, slot, sub):
+        return slot.entry(index, the_plan.spec), touched(slot, index), sub
+
+    def miss_branch(index, deps, others, arg_arrays, slot, sub):
         value, sub = compute(deps, others, arg_arrays, sub, caching=True)
-        return value, filled(slot, value, the_plan.spec, key_of(deps, arg_arrays)), sub
+        return value, store(slot, value, deps, arg_arrays), sub
 
     def primal(deps, others, arg_arrays, slot, sub):
-        operands = (deps, others, arg_arrays, slot, sub)
-        hit = slot.valid & jnp.all(slot.key == key_of(deps, arg_arrays))
+        snapshots = []
+        if policy.snapshots:
+            snapshots = jax.vmap(lambda b: unpack(b, the_plan.deps))(slot.snapshot)
+        reusable = fresh(policy, slot.age, deps, snapshots)
+        hit, index = lookup(slot, key_of(deps, arg_arrays), reusable)
+        operands = (index, deps, others, arg_arrays, slot, sub)
         if isinstance(hit, jax.core.Tracer):
             return lax.cond(hit, hit_branch, miss_branch, *operands)
         return (hit_branch if bool(hit) else miss_branch)(*operands)
@@ -367,7 +389,7 @@ def _memo(
             (deps, arg_arrays),
             (_instantiate(dep_tangents, deps), _instantiate(arg_tangents, arg_arrays)),
         )
-        new_slot = filled(slot, value, the_plan.spec, key_of(deps, arg_arrays))
+        new_slot = store(slot, value, deps, arg_arrays)
         zeros = jtu.tree_map(SymbolicZero.from_primal_value, (new_slot, sub))
         return (value, new_slot, sub), (value_tangent, *zeros)
 
@@ -391,8 +413,8 @@ def _discover(
     """Allocate the slot for this call (no cache read or write), then compute."""
     parts, arrays = _Parts.split(module)
     arg_parts, arg_arrays = _Parts.split((args, kwargs))
-    spec = plan(method, parts, arrays, arg_parts, arg_arrays).spec
-    frame.write(path, _fit(method, frame, path, frame.store[path], spec), method.qualname)
+    the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
+    frame.write(path, _fit(method, frame, path, frame.store[path], the_plan), method.qualname)
     return method.fn(module, *args, **kwargs)
 
 
@@ -419,20 +441,20 @@ def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _fit(method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, spec: Spec) -> Memo:
-    """`slot` with room for a value of `spec`, allocating it where the structure may change."""
-    if slot.holds(spec):
+def _fit(
+    method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, the_plan: Plan
+) -> Memo:
+    """`slot` with room for the value of `the_plan`, allocated where the structure may change."""
+    snapshot_bytes = the_plan.snapshot_bytes(method.policy)
+    if slot.holds(the_plan.spec, snapshot_bytes):
         return slot
-    where = dict(method=method.qualname, slot=path_name(path), new=spec.describe())
+    where = dict(method=method.qualname, slot=path_name(path), new=the_plan.spec.describe())
     if frame.method is not None:
         raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))
     # An empty slot is never a loop carry (its markers are not arrays), but an allocated
     # one may be, and then it cannot change shape.
     loop = _jax_internals.inside_loop_body()
     if slot.allocated and loop is not None:
-        old = f"{slot.value.dtype}{list(slot.value.shape)} (as stored)"
+        old = f"{slot.value.dtype}{list(slot.value.shape[1:])} (as stored)"
         raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
-    fresh = allocate(spec)
-    if slot.allocated:
-        fresh = dataclasses.replace(fresh, hits=slot.hits, misses=slot.misses)
-    return fresh
+    return allocate(slot, the_plan.spec, snapshot_bytes)

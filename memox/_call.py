@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
-from ._cached import method_for, spec_without_arguments
+from ._cached import method_for, plan_without_arguments
 from ._slot import Memo, Path, allocate, invalidated, is_memo, path_name, replace_slots, slot_sites
 
 
@@ -53,7 +53,8 @@ def allocate_plain_slots(module: M) -> M:
             continue
         method = method_for(site.owner, site.field)
         if method is not None and not method.takes_arguments:
-            new[site.path] = allocate(spec_without_arguments(method, site.owner))
+            found = plan_without_arguments(method, site.owner)
+            new[site.path] = allocate(site.slot, found.spec, found.snapshot_bytes(method.policy))
     return replace_slots(module, new)
 
 

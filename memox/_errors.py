@@ -69,3 +69,13 @@ UNSUPPORTED_DTYPE = (
     "integer, floating and complex arrays. Return arrays of those dtypes (for a PRNG "
     "key, `jax.random.key_data(key)`), or drop `memox.cached` from this method."
 )
+
+BAD_SIZE = (
+    "`memox.Memo(size=...)` takes the number of table entries, a positive int; got "
+    "{size!r}. Use `memox.Memo()` for one entry, `memox.Memo(size=8)` for a table of 8."
+)
+
+NOT_A_POLICY = (
+    "`memox.cached(..., policy=...)` takes a `memox.policies` policy, e.g. "
+    "`memox.policies.Drift(rtol=0.1)`; got {got}."
+)

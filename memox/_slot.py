@@ -1,22 +1,21 @@
-"""`Memo`: the cache slot, and how a cached value is stored in it.
+"""`Memo`: the cache slot, a fixed-shape table of stored values.
 
-A slot is an ordinary pytree node with five leaves. Empty (`Memo()`), each leaf is the
-`EMPTY` marker. Allocated, they are fixed-shape arrays whatever the slot's state:
+A slot is an ordinary pytree node with eight leaves and one static field, `size` (the
+number of entries `K`, 1 unless declared `Memo(size=K)`). Empty (`Memo()`), each leaf is
+the `EMPTY` marker. Allocated, they are fixed-shape arrays whatever the slot's state:
 
-- `value`: the cached value as one array of bit patterns, so that no slot leaf is ever
-  an inexact array. That is what makes slots invisible to `eqx.filter(...,
-  eqx.is_inexact_array)`, to `eqx.filter_grad` and to every optax optimizer. A single
-  array keeps its shape (floats bit-cast to unsigned integers of the same width, so its
-  sharding carries over); a tuple or other pytree of arrays is packed into bytes. One
-  array, not a pytree of them: a slot has the same five children allocated or not.
-- `valid`: a scalar `bool` array.
-- `key`: `uint32[2]`, the fingerprint of what the value was computed from.
-- `hits`, `misses`: scalar `int32` counters.
+- per entry (leading axis `K`): `value`, the value's bits (see `_storage.py`); `valid`;
+  `key`, the 64-bit fingerprint it was computed from; `age`, hits since then; `used`,
+  when it was last used (least-recently-used eviction); `snapshot`, the dependencies'
+  bytes where the policy needs them (`Drift`), else zero bytes;
+- for the slot: `hits` and `misses`, `int32` counters.
 
-A slot has no static metadata: how to decode `value` is known to the cached method
-(see `Spec`). So allocating, filling, hitting and invalidating a slot never change the
-tree structure: a filter spec or an optimizer state made from a freshly constructed
-model fits it for good, and an allocated slot is legal as a `lax.scan` carry and never
+No leaf is an inexact array: slots are invisible to `eqx.filter(...,
+eqx.is_inexact_array)`, to `eqx.filter_grad` and to every optax optimizer. A slot has no
+metadata that depends on its contents (how to decode `value` is known to the cached
+method), so allocating, filling, hitting and invalidating never change the tree
+structure: a filter spec or an optimizer state made from a freshly constructed model
+fits it for good, and an allocated slot is legal as a `lax.scan` carry and never
 retraces. (An empty slot's markers are not arrays: `eqx.filter_jit` treats them as
 static, while `jax.jit` and `lax.scan` need the module allocated by `memox.init`.)
 """
@@ -28,132 +27,18 @@ from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jax import lax
-from jaxtyping import Array, Bool, Int, PyTree, UInt32
+from jaxtyping import Array, Bool, Int, PyTree, UInt8, UInt32
+
+from . import _errors
+from ._storage import Spec, decode, encode, storage_struct
 
 
 T = TypeVar("T")
 
 KEY_WORDS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """What a cached method returns: the tree structure, and each leaf's shape and dtype.
-
-    A slot does not record it: the method's plan knows it whenever the slot is read, and
-    a slot is allocated for it when its storage has the matching shape and dtype. So a
-    slot has no static metadata, and once its arrays are filtered out (as by
-    `eqx.filter(model, eqx.is_inexact_array)`) an allocated slot and an empty one are
-    the same tree: an optimizer state made before allocation fits the allocated model.
-    """
-
-    treedef: Any
-    leaves: tuple[tuple[tuple[int, ...], str], ...]
-
-    @classmethod
-    def of(cls, value: PyTree) -> Spec:
-        leaves, treedef = jtu.tree_flatten(value)
-        return cls(treedef, tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves))
-
-    @property
-    def packed(self) -> bool:
-        """Whether the value is stored as one byte vector (anything but a single array)."""
-        return len(self.leaves) != 1
-
-    def describe(self) -> str:
-        return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in self.leaves) or "()"
-
-
-def _float_view(dtype: np.dtype) -> np.dtype:
-    """The real dtype a value is seen as before it is stored (complex: its parts)."""
-    return (
-        np.dtype(jnp.finfo(dtype).dtype) if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
-    )
-
-
-def _as_real(x: Array) -> Array:
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    return x
-
-
-def _from_real(x: Array, dtype: np.dtype) -> Array:
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return lax.complex(x[..., 0], x[..., 1])
-    return x
-
-
-def _bits_dtype(dtype: np.dtype) -> np.dtype:
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
-    return np.dtype(dtype)
-
-
-def _to_bytes(x: Array) -> Array:
-    x = _as_real(x)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8).reshape(-1)
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(b: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:
-    real = _float_view(dtype)
-    shape = (*shape, 2) if real != dtype else shape
-    if dtype == np.bool_:
-        return b.reshape(shape).astype(jnp.bool_)
-    if real.itemsize > 1:
-        shape = (*shape, real.itemsize)
-    return _from_real(lax.bitcast_convert_type(b.reshape(shape), real), dtype)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-
-
-def encode(value: PyTree[Array], spec: Spec) -> Array:
-    """`value` as one array that is never inexact: a single array keeps its shape (and so
-    its sharding) with floats bit-cast to unsigned integers; anything else is packed
-    into a byte vector."""
-    leaves = jtu.tree_leaves(value)
-    if not spec.packed:
-        x = _as_real(leaves[0])
-        return (
-            lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
-            if x.dtype != _bits_dtype(x.dtype)
-            else x
-        )
-    if not leaves:
-        return jnp.zeros((0,), jnp.uint8)
-    return jnp.concatenate([_to_bytes(x) for x in leaves])
-
-
-def decode(stored: Array, spec: Spec) -> PyTree[Array]:
-    dtypes = [np.dtype(d) for _, d in spec.leaves]
-    if not spec.packed:
-        (dtype,) = dtypes
-        real = _float_view(dtype)
-        x = lax.bitcast_convert_type(stored, real) if stored.dtype != real else stored
-        return jtu.tree_unflatten(spec.treedef, [_from_real(x, dtype)])
-    leaves, offset = [], 0
-    for (shape, _), dtype in zip(spec.leaves, dtypes):
-        n = _nbytes(shape, dtype)
-        leaves.append(_from_bytes(stored[offset : offset + n], shape, dtype))
-        offset += n
-    return jtu.tree_unflatten(spec.treedef, leaves)
-
-
-def storage_struct(spec: Spec) -> tuple[tuple[int, ...], np.dtype]:
-    if spec.packed:
-        return (sum(_nbytes(shape, np.dtype(d)) for shape, d in spec.leaves),), np.dtype(np.uint8)
-    ((shape, d),) = spec.leaves
-    dtype = np.dtype(d)
-    real = _float_view(dtype)
-    return ((*shape, 2) if real != dtype else shape), _bits_dtype(real)
 
 
 class _Empty:
@@ -184,10 +69,12 @@ class Memo(eqx.Module, Generic[T]):
     """A cache slot. Declare one per cached method, as a field of an `eqx.Module`.
 
     `Memo[T]` annotates the field (`T` is the type of the cached value); `Memo()` is the
-    empty slot, usable as the field's default. A slot is filled by `memox.call` or
-    `memox.jit` when its cached method runs, allocated in advance by `memox.init`,
-    invalidated by `memox.clear`, and read by `memox.stats`. Its contents are integer and
-    boolean arrays only, so optimizers and `eqx.filter_grad` never see them.
+    empty slot, usable as the field's default. `Memo(size=K)` is a table of `K` entries,
+    keyed by the method's arguments, with least-recently-used eviction. A slot is filled
+    by `memox.call` or `memox.jit` when its cached method runs, allocated in advance by
+    `memox.init`, invalidated by `memox.clear`, and read by `memox.stats`. Its contents
+    are integer and boolean arrays only, so optimizers and `eqx.filter_grad` never see
+    them.
 
     !!! Example
 
@@ -202,62 +89,116 @@ class Memo(eqx.Module, Generic[T]):
         ```
     """
 
+    # Per entry (leading axis `size`):
     value: Array | _Empty | None = EMPTY
-    valid: Bool[Array, ""] | _Empty | None = EMPTY
-    key: UInt32[Array, 2] | _Empty | None = EMPTY
+    valid: Bool[Array, " K"] | _Empty | None = EMPTY
+    key: UInt32[Array, "K 2"] | _Empty | None = EMPTY
+    age: Int[Array, " K"] | _Empty | None = EMPTY
+    used: Int[Array, " K"] | _Empty | None = EMPTY
+    snapshot: UInt8[Array, "K bytes"] | _Empty | None = EMPTY
+    # For the slot:
     hits: Int[Array, ""] | _Empty | None = EMPTY
     misses: Int[Array, ""] | _Empty | None = EMPTY
+    size: int = eqx.field(static=True, default=1)
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(_errors.BAD_SIZE.format(size=self.size))
 
     @property
     def allocated(self) -> bool:
         """Whether the slot holds arrays (`False` when empty, or when filtered out)."""
         return self.value is not EMPTY and self.value is not None
 
-    def holds(self, spec: Spec) -> bool:
-        """Whether this slot is allocated for values of `spec`."""
-        return self.allocated and (self.value.shape, self.value.dtype) == storage_struct(spec)
+    def holds(self, spec: Spec, snapshot_bytes: int) -> bool:
+        """Whether this slot is allocated for values of `spec` (and such snapshots)."""
+        if not self.allocated:
+            return False
+        shape, dtype = storage_struct(spec)
+        return (self.value.shape, self.value.dtype, self.snapshot.shape) == (
+            (self.size, *shape),
+            dtype,
+            (self.size, snapshot_bytes),
+        )
 
-    def decoded(self, spec: Spec) -> PyTree[Array]:
-        """The stored value, as a value of `spec` (meaningful only where `valid`)."""
-        assert self.allocated
-        return decode(self.value, spec)
+    def entry(self, index: Array, spec: Spec) -> PyTree[Array]:
+        """The value stored in entry `index`."""
+        return decode(lax.dynamic_index_in_dim(self.value, index, keepdims=False), spec)
 
 
 def is_memo(x: Any) -> bool:
     return isinstance(x, Memo)
 
 
-def allocate(spec: Spec) -> Memo:
-    """An empty (invalid) slot with room for a value of `spec`. Costs no FLOPs."""
+def allocate(slot: Memo, spec: Spec, snapshot_bytes: int) -> Memo:
+    """`slot` with room for values of `spec`, every entry invalid. Costs no FLOPs.
+
+    Hit and miss counts carry over from an allocated `slot`."""
+    k = slot.size
     shape, dtype = storage_struct(spec)
+    zeros = jnp.zeros((k,), jnp.int32)
+    count = jnp.zeros((), jnp.int32)
     return Memo(
-        value=jnp.zeros(shape, dtype),
-        valid=jnp.zeros((), jnp.bool_),
-        key=jnp.zeros((KEY_WORDS,), jnp.uint32),
-        hits=jnp.zeros((), jnp.int32),
-        misses=jnp.zeros((), jnp.int32),
+        value=jnp.zeros((k, *shape), dtype),
+        valid=jnp.zeros((k,), jnp.bool_),
+        key=jnp.zeros((k, KEY_WORDS), jnp.uint32),
+        age=zeros,
+        used=zeros,
+        snapshot=jnp.zeros((k, snapshot_bytes), jnp.uint8),
+        hits=slot.hits if slot.allocated else count,
+        misses=slot.misses if slot.allocated else count,
+        size=k,
     )
 
 
-def filled(slot: Memo, value: PyTree[Array], spec: Spec, key: Array) -> Memo:
-    """`slot` holding `value` (of `spec`), computed from dependencies with fingerprint `key`."""
-    return Memo(
-        value=encode(value, spec),
-        valid=jnp.ones((), jnp.bool_),
-        key=key,
-        hits=slot.hits,
+def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
+    """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
+    match = slot.valid & jnp.all(slot.key == key[None, :], axis=-1) & fresh
+    return jnp.any(match), jnp.argmax(match)
+
+
+def _clock(slot: Memo) -> Array:
+    return slot.hits + slot.misses
+
+
+def touched(slot: Memo, index: Array) -> Memo:
+    """`slot` after a hit on entry `index`."""
+    return dataclasses.replace(
+        slot,
+        age=slot.age.at[index].add(1),
+        used=slot.used.at[index].set(_clock(slot)),
+        hits=slot.hits + 1,
+    )
+
+
+def stored(slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array) -> Memo:
+    """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
+    over the entry holding `key` if any, else an empty or the least recently used one."""
+    same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
+    oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
+    index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
+    return dataclasses.replace(
+        slot,
+        value=lax.dynamic_update_index_in_dim(slot.value, encode(value, spec), index, 0),
+        valid=slot.valid.at[index].set(True),
+        key=slot.key.at[index].set(key),
+        age=slot.age.at[index].set(0),
+        used=slot.used.at[index].set(_clock(slot)),
+        snapshot=lax.dynamic_update_index_in_dim(slot.snapshot, snapshot, index, 0),
         misses=slot.misses + 1,
     )
 
 
-def counted_hit(slot: Memo) -> Memo:
-    return dataclasses.replace(slot, hits=slot.hits + 1)
-
-
-def invalidated(slot: Memo) -> Memo:
+def invalidated(slot: Memo, when: Array | bool = True) -> Memo:
+    """`slot` with every entry invalid where `when` holds, its allocation kept."""
     if not slot.allocated:
         return slot
-    return dataclasses.replace(slot, valid=jnp.zeros_like(slot.valid))
+    return dataclasses.replace(slot, valid=slot.valid & ~jnp.asarray(when, jnp.bool_))
+
+
+def emptied(slot: Memo) -> Memo:
+    """`slot` without arrays, as declared (its size kept)."""
+    return Memo(size=slot.size)
 
 
 def strong(value: PyTree[Array]) -> PyTree[Array]:
@@ -316,7 +257,3 @@ def replace_slots(tree: PyTree, new: dict[Path, Memo]) -> PyTree:
 
 def path_name(path: Path) -> str:
     return jtu.keystr(path).lstrip(".")
-
-
-def shape_struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)

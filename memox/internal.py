@@ -2,4 +2,5 @@
 
 from ._cached import CachedMethod as CachedMethod, cached_methods as cached_methods
 from ._fingerprint import fingerprint as fingerprint
-from ._slot import Spec as Spec, is_memo as is_memo, slot_sites as slot_sites
+from ._slot import is_memo as is_memo, slot_sites as slot_sites
+from ._storage import Spec as Spec
