@@ -3,14 +3,16 @@
 
 import importlib.metadata
 
-from . import internal as internal
+from . import internal as internal, policies as policies
 from ._cached import cached as cached
 from ._call import (
     SlotStats as SlotStats,
     call as call,
     clear as clear,
     init as init,
+    invalidate as invalidate,
     stats as stats,
+    strip as strip,
 )
 from ._jit import jit as jit
 from ._slot import Memo as Memo

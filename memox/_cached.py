@@ -57,6 +57,7 @@ class CachedMethod:
         self.fn = fn
         self.slot = slot
         self.policy = policy
+        self.flops: int | None = None  # of one computation, from the latest plan
         self.qualname: str = getattr(fn, "__qualname__", repr(fn))
         params = list(inspect.signature(fn).parameters.values())[1:]
         required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -290,6 +291,7 @@ def plan(
         method.qualname, method.policy, static, used, [avals[0][i] for i in used], avals[1], spec
     )
     found = Plan(used, plain.nested, spec, deps, salt, flops_of_jaxpr(closed))
+    method.flops = found.flops
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[cache_key] = found

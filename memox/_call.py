@@ -12,8 +12,19 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
-from ._cached import method_for, plan_without_arguments
-from ._slot import Memo, Path, allocate, invalidated, is_memo, path_name, replace_slots, slot_sites
+from ._cached import CachedMethod, method_for, plan_without_arguments
+from ._slot import (
+    Memo,
+    Path,
+    SlotSite,
+    allocate,
+    emptied,
+    invalidated,
+    is_memo,
+    path_name,
+    replace_slots,
+    slot_sites,
+)
 
 
 M = TypeVar("M")
@@ -185,16 +196,83 @@ def clear(module: M) -> M:
     return jtu.tree_map(lambda x: invalidated(x) if is_memo(x) else x, module, is_leaf=is_memo)
 
 
+def invalidate(module: M, /, *methods: Any, when: Any = True) -> M:
+    """Invalidate the slots of some cached methods, where a condition holds.
+
+    Unlike `memox.clear`, this takes a boolean array, so a traced loop can decide to
+    refresh a value: a simulator refactorises when Newton fails to converge with
+    `model = memox.invalidate(model, Stepper.lu, when=~converged)` inside its
+    `lax.scan` body. It keeps every allocation (no retrace).
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+    - `*methods`: cached methods, unbound (`Stepper.lu`); their slots anywhere in
+      `module` are invalidated. None: every slot.
+    - `when`: a boolean (array or Python `bool`); nothing changes where it is false.
+
+    **Returns:**
+
+    `module` with those slots' entries invalid where `when` holds.
+
+    !!! Example
+
+        ```python
+        foo = memox.invalidate(foo, Foo.b, when=jnp.sum(foo.a) > 100.0)
+        ```
+    """
+    check_module("invalidate", module)
+    for method in methods:
+        if not isinstance(method, CachedMethod):
+            raise TypeError(_errors.NOT_CACHED.format(got=repr(method)))
+    new = {
+        site.path: invalidated(site.slot, when)
+        for site in slot_sites(module)
+        if not methods or (site.field and method_for(site.owner, site.field) in methods)
+    }
+    return replace_slots(module, new)
+
+
+def strip(module: M) -> M:
+    """`module` with every slot empty: no cache arrays at all.
+
+    For smaller checkpoints: `eqx.tree_serialise_leaves(path, memox.strip(model))`
+    writes only your parameters, and `eqx.tree_deserialise_leaves(path,
+    memox.strip(like))` reads them back (slots refill on first use). The tree structure
+    is the same as the unstripped module's.
+
+    !!! Example
+
+        ```python
+        foo = memox.strip(foo)   # foo.b() recomputes at its next memox.call
+        ```
+    """
+    check_module("strip", module)
+    return jtu.tree_map(lambda x: emptied(x) if is_memo(x) else x, module, is_leaf=is_memo)
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotStats:
-    """How often one slot was read (`hits`) and computed (`misses`)."""
+    """How one slot was used.
+
+    - `hits`: values returned from the slot; `misses`: values computed and stored.
+    - `flops`: floating-point operations of one computation of the method (counted from
+      its jaxpr, nested cached methods included; see `memox/_flops.py` for what is
+      counted), or `None` where memox has not planned the method yet.
+    - `flops_saved`: `hits * flops`.
+    """
 
     hits: int | jax.Array
     misses: int | jax.Array
+    flops: int | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def flops_saved(self) -> int | jax.Array | None:
+        return None if self.flops is None else self.hits * self.flops
 
 
 def stats(module: Any) -> dict[str, SlotStats]:
-    """Hit and miss counts of every slot of `module`.
+    """Hit and miss counts, and FLOPs saved, of every slot of `module`.
 
     The counters live in the slots, so they count calls made inside `jax.jit`,
     `memox.jit` and `lax.scan` as well as eager ones.
@@ -212,7 +290,7 @@ def stats(module: Any) -> dict[str, SlotStats]:
     !!! Example
 
         ```python
-        memox.stats(foo)   # {'b_cache': SlotStats(hits=2, misses=1)}
+        memox.stats(foo)   # {'b_cache': SlotStats(hits=2, misses=1, flops=8)}
         ```
     """
     check_module("stats", module)
@@ -220,8 +298,17 @@ def stats(module: Any) -> dict[str, SlotStats]:
     for site in slot_sites(module):
         slot = site.slot
         counts = (0, 0) if not slot.allocated else (slot.hits, slot.misses)
-        out[path_name(site.path)] = SlotStats(*map(_concrete, counts))
+        out[path_name(site.path)] = SlotStats(*map(_concrete, counts), _flops(site))
     return out
+
+
+def _flops(site: SlotSite) -> int | None:
+    method = method_for(site.owner, site.field) if site.field else None
+    if method is None:
+        return None
+    if not method.takes_arguments:
+        return plan_without_arguments(method, site.owner).flops
+    return method.flops
 
 
 def _concrete(x: Any) -> int | jax.Array:

@@ -79,3 +79,8 @@ NOT_A_POLICY = (
     "`memox.cached(..., policy=...)` takes a `memox.policies` policy, e.g. "
     "`memox.policies.Drift(rtol=0.1)`; got {got}."
 )
+
+NOT_CACHED = (
+    "`memox.invalidate(module, *methods)`: {got} is not a method decorated with "
+    "`memox.cached`. Pass cached methods unbound, e.g. `memox.invalidate(model, Foo.b)`."
+)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -39,6 +39,10 @@ from ._storage import Spec, decode, encode, storage_struct
 T = TypeVar("T")
 
 KEY_WORDS = 2
+
+# Validated by `Memo.__check_init__` with a message that says what to do; typed for
+# static checkers only, so that a runtime type checker does not answer first.
+Size = int if TYPE_CHECKING else Any
 
 
 class _Empty:
@@ -99,7 +103,7 @@ class Memo(eqx.Module, Generic[T]):
     # For the slot:
     hits: Int[Array, ""] | _Empty | None = EMPTY
     misses: Int[Array, ""] | _Empty | None = EMPTY
-    size: int = eqx.field(static=True, default=1)
+    size: Size = eqx.field(static=True, default=1)
 
     def __check_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:

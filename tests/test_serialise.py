@@ -35,3 +35,17 @@ def test_slot_restored_onto_other_weights_recomputes(tmp_path):
     loaded = eqx.tree_at(lambda t: t.a, loaded, jnp.ones((3, 3)))
     b, _ = memox.call(loaded, Foo.b)
     assert c.n == 2 and b == 9.0
+
+
+def test_checkpoint_without_caches_is_smaller_and_refills(tmp_path):
+    c = Counter()
+    _, f = memox.call(foo(c), Foo.b)
+    full, bare = tmp_path / "full.eqx", tmp_path / "bare.eqx"
+    eqx.tree_serialise_leaves(full, f)
+    eqx.tree_serialise_leaves(bare, memox.strip(f))
+    assert bare.stat().st_size < full.stat().st_size
+    # A stripped module has the same tree structure: it loads into a fresh model.
+    loaded = eqx.tree_deserialise_leaves(bare, foo(c))
+    assert jnp.array_equal(loaded.a, f.a) and not loaded.b_cache.allocated
+    b, _ = memox.call(loaded, Foo.b)
+    assert c.n == 2 and b == jnp.sum(f.a)
