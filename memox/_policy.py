@@ -12,8 +12,15 @@ under every policy: when a dependency carries a tangent, the value is recomputed
 - `Manual()`: never look at the dependencies; only `memox.clear` or
   `memox.invalidate` refresh the value.
 
-Each takes `max_age=k`: additionally recompute after `k` hits. Arguments of the method
-are always part of the key, exactly.
+Each takes `max_age=k`: additionally recompute after `k` hits, so a value is used at
+most `k + 1` times (one computation, `k` hits). Arguments of the method are always part
+of the key, exactly.
+
+A policy applies to everything its method reads, including what the cached methods it
+calls read: an outer `Drift` method checks the arrays its inner methods depend on, and
+an inner `Manual` method does not shield them. To decouple two levels (CVODE's
+Jacobian and its factorisation), pass the inner value as an argument to the outer
+method: arguments are keyed exactly, and the outer policy then applies to the rest.
 """
 
 from __future__ import annotations
