@@ -39,7 +39,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import _context, _errors, _jax_internals
-from ._fingerprint import fingerprint, static_digest
+from ._fingerprint import combine, static_digest
 from ._flops import flops_of_jaxpr
 from ._policy import Exact, Policy, fresh
 from ._slot import Memo, Path, allocate, is_memo, lookup, path_name, stored, strong, touched
@@ -350,35 +350,37 @@ def _memo(
             value = method.fn(parts.rebuild(merge(deps, others)), *a, **k)
         return strong(value), sub
 
-    def key_of(deps, arg_arrays):
-        keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
-        return fingerprint(keyed, the_plan.salt)
-
-    def store(slot, value, deps, arg_arrays):
+    def store(slot, value, deps, key):
         snapshot = pack(deps) if policy.snapshots else jnp.zeros((0,), jnp.uint8)
-        return stored(slot, value, the_plan.spec, key_of(deps, arg_arrays), snapshot)
+        return stored(slot, value, the_plan.spec, key, snapshot)
 
-    def hit_branch(index, deps, others, arg_arrays, slot, sub):
-        return slot.entry(index, the_plan.spec), touched(slot, index), sub
+    # The branches return the slot, never the value: on a hit the table passes through
+    # (no copy where its buffer is donated, as `memox.jit` does), and the value is read
+    # from the table after the branch, where XLA can fuse the read into its consumers.
+    def hit_branch(index, deps, others, arg_arrays, slot, sub, key):
+        return touched(slot, index), sub, index
 
-    def miss_branch(index, deps, others, arg_arrays, slot, sub):
+    def miss_branch(index, deps, others, arg_arrays, slot, sub, key):
         value, sub = compute(deps, others, arg_arrays, sub, caching=True)
-        return value, store(slot, value, deps, arg_arrays), sub
+        slot, index = store(slot, value, deps, key)
+        return slot, sub, index
 
-    def primal(deps, others, arg_arrays, slot, sub):
+    def primal(deps, others, arg_arrays, slot, sub, key):
         snapshots = []
         if policy.snapshots:
             snapshots = jax.vmap(lambda b: unpack(b, the_plan.deps))(slot.snapshot)
         reusable = fresh(policy, slot.age, deps, snapshots)
-        hit, index = lookup(slot, key_of(deps, arg_arrays), reusable)
-        operands = (index, deps, others, arg_arrays, slot, sub)
+        hit, index = lookup(slot, key, reusable)
+        operands = (index, deps, others, arg_arrays, slot, sub, key)
         if isinstance(hit, jax.core.Tracer):
-            return lax.cond(hit, hit_branch, miss_branch, *operands)
-        return (hit_branch if bool(hit) else miss_branch)(*operands)
+            slot, sub, index = lax.cond(hit, hit_branch, miss_branch, *operands)
+        else:
+            slot, sub, index = (hit_branch if bool(hit) else miss_branch)(*operands)
+        return slot.entry(index, the_plan.spec), slot, sub
 
     def tangent_rule(primals, tangents):
-        deps, others, arg_arrays, slot, sub = primals
-        dep_tangents, _, arg_tangents, _, _ = tangents
+        deps, others, arg_arrays, slot, sub, key = primals
+        dep_tangents, _, arg_tangents, _, _, _ = tangents
         if all(map(_is_zero, [*dep_tangents, *arg_tangents])):
             out = primal(*primals)
             return out, jtu.tree_map(SymbolicZero.from_primal_value, out)
@@ -391,13 +393,15 @@ def _memo(
             (deps, arg_arrays),
             (_instantiate(dep_tangents, deps), _instantiate(arg_tangents, arg_arrays)),
         )
-        new_slot = store(slot, value, deps, arg_arrays)
+        new_slot, _ = store(slot, value, deps, key)
         zeros = jtu.tree_map(SymbolicZero.from_primal_value, (new_slot, sub))
         return (value, new_slot, sub), (value_tangent, *zeros)
 
     memo = jax.custom_jvp(primal)
     memo.defjvp(tangent_rule, symbolic_zeros=True)
-    value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub)
+    keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
+    key = combine([frame.fingerprint(x) for x in keyed], the_plan.salt)
+    value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub, key)
     frame.write(path, new_slot, method.qualname)
     for p, s in zip(sub_paths, new_sub):
         frame.write(p, s, method.qualname)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
+from ._fingerprint import is_concrete_array
 from ._cached import CachedMethod, method_for, plan_without_arguments
 from ._slot import (
     Memo,
@@ -96,8 +98,8 @@ def call(module: M, fn: Fn, /, *args: Any, **kwargs: Any) -> tuple[R, M]:
     """
     check_fn("call", fn)
     check_module("call", module)
-    result, module, changed = run(module, fn, args, kwargs)
-    return result, replace_slots(module, changed)
+    result, module, frame = run(module, fn, args, kwargs)
+    return result, replace_slots(module, changed_slots(module, frame))
 
 
 def run(
@@ -107,16 +109,40 @@ def run(
     kwargs: dict[str, Any],
     *,
     discover: bool = False,
-) -> tuple[R, M, dict[Path, Memo]]:
+    prehashed: dict[int, Any] | None = None,
+) -> tuple[R, M, _context.Frame]:
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
-    (with slots allocated), and the slots that changed, by path. With `discover`, cached
-    methods only allocate their slots (for `memox.init`)."""
-    module = allocate_plain_slots(module)
+    (slots revived and allocated) and the frame. With `discover`, cached methods only
+    allocate their slots (for `memox.init`); `prehashed` are fingerprints of input
+    tracers computed before the trace (by `memox.jit`)."""
+    module = allocate_plain_slots(revive(module))
     frame = _context.Frame(module, discover=discover)
+    frame.prehashed = prehashed or {}
     with _context.active(frame):
         result = fn(module, *args, **kwargs)
+    return result, module, frame
+
+
+def changed_slots(module: Any, frame: _context.Frame) -> dict[Path, Memo]:
+    """The slots of `frame` that differ from those of `module`, by path."""
     before = {site.path: site.slot for site in slot_sites(module)}
-    return result, module, {p: s for p, s in frame.store.items() if before.get(p) is not s}
+    return {p: s for p, s in frame.store.items() if before.get(p) is not s}
+
+
+def revive(module: M) -> M:
+    """`module` with every slot whose arrays were donated to a `memox.jit` call (the
+    caller kept the old module) replaced by an empty allocation: it recomputes."""
+    new = {}
+    for site in slot_sites(module):
+        leaves = jtu.tree_leaves(site.slot)
+        if any(is_concrete_array(x) and x.is_deleted() for x in leaves):
+            zeros = jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), site.slot)
+            new[site.path] = zeros
+    if new:
+        warnings.warn(
+            _errors.DONATED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=3
+        )
+    return replace_slots(module, new)
 
 
 def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
@@ -154,8 +180,8 @@ def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
     check_fn("init", fn)
 
     def allocated(module, args, kwargs):
-        _, module, changed = run(module, fn, args, kwargs, discover=True)
-        return replace_slots(module, changed)
+        _, module, frame = run(module, fn, args, kwargs, discover=True)
+        return replace_slots(module, changed_slots(module, frame))
 
     shapes = eqx.filter_eval_shape(allocated, module, args, kwargs)
     before = {site.path: site.slot for site in slot_sites(module)}

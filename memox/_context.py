@@ -24,8 +24,11 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from jax import lax
+
 from . import _jax_internals
 from ._errors import INNER_TRANSFORM
+from ._fingerprint import array_fingerprint, is_concrete_array, known
 from ._slot import Memo, Path, path_name, slot_sites
 
 
@@ -40,6 +43,11 @@ class Frame:
         self.method = method
         # Set by `memox.init`: cached methods allocate their slots and compute, no more.
         self.discover = discover
+        # Set by `memox.jit`: fingerprints of its input arrays computed before the call
+        # (by id of the input tracer: a fingerprint and whether it is known), and the
+        # ids of the arrays that cached methods fingerprinted (their dependencies).
+        self.prehashed: dict[int, tuple[Any, Any]] = {}
+        self.fingerprinted: set[int] = set()
         self.store: dict[Path, Memo] = {}
         self._by_key: dict[int, Path] = {}
         self._by_owner: dict[int, Path] = {}
@@ -82,10 +90,18 @@ class Frame:
         self.store[path] = slot
         self._index_slot(path, slot)
 
-    def subtree(self, prefix: Path) -> list[Path]:
-        """The paths of the slots under `prefix`, in a fixed order."""
-        n = len(prefix)
-        return [p for p in self.store if p[:n] == prefix]
+    def fingerprint(self, x: Any) -> Any:
+        """The fingerprint of array `x`: by identity if it has a value (hashed once per
+        array object), else a precomputed one where `memox.jit` passed it in, else
+        hashed in-graph."""
+        if is_concrete_array(x):
+            return known(x)
+        self.fingerprinted.add(id(x))
+        pre = self.prehashed.get(id(x))
+        if pre is None:
+            return array_fingerprint(x)
+        fp, valid = pre
+        return lax.cond(valid, lambda x: fp, array_fingerprint, x)
 
 
 class Plain:

@@ -84,3 +84,10 @@ NOT_CACHED = (
     "`memox.invalidate(module, *methods)`: {got} is not a method decorated with "
     "`memox.cached`. Pass cached methods unbound, e.g. `memox.invalidate(model, Foo.b)`."
 )
+
+DONATED_SLOTS = (
+    "memox: slots {slots} were donated to an earlier `memox.jit` call and are gone from "
+    "this module, so this call recomputes them. Keep using the module that call "
+    "returned (`out, model = step(model, x)`), or make the step with "
+    "`memox.jit(fn, donate=False)`."
+)

@@ -5,23 +5,29 @@ was computed from; a hit requires the fingerprint of the current dependencies to
 It costs O(1) memory per slot (no copy of the dependencies) and one fused pass over the
 dependencies' bytes per check.
 
-The dynamic part (array dependencies and array arguments) is hashed in-graph. Each
-32-bit word `w_i` of an array's bit pattern (position `i`, array number `j`) is mixed
-once and summed into two lanes:
+The dynamic part (array dependencies and array arguments) is hashed in-graph, array by
+array. Each 32-bit word `w_i` of an array's bit pattern is mixed once and summed into
+two lanes, and the arrays' fingerprints are then chained:
 
-    m_i   = fmix(w_i * A + i * B + seed_j)           (MurmurHash3's 32-bit finaliser)
-    lane0 = fmix(salt0 + sum_i m_i)                  (mod 2**32)
-    lane1 = fmix(salt1 + sum_i m_i * ((i * C) | 1))  (mod 2**32)
+    m_i   = fmix(w_i * A + i * B)                   (MurmurHash3's 32-bit finaliser)
+    f     = (fmix(n ^ sum_i m_i), fmix(n ^ C ^ sum_i m_i * ((i * C) | 1)))   (mod 2**32)
+    key   = chain over arrays j: lane -> fmix(lane * A + f_j + j), from the salt
 
 `fmix` and `w -> w * A + c` (odd `A`) are bijections, so changing any single element
-changes `m_i` and therefore lane 0: a one-element change is detected with certainty. For
-a random change of two or more elements the mixed differences are pseudo-random, each
-lane collides with probability about 2**-32, and the two lanes weight them differently
-(odd, position-dependent multipliers in lane 1): about 2**-64 in all.
+changes `m_i` and therefore lane 0 of its array, and every chaining step is a bijection
+too: a one-element change is detected with certainty. For a random change of two or more
+elements the mixed differences are pseudo-random, each lane collides with probability
+about 2**-32, and the two lanes weight them differently (odd, position-dependent
+multipliers in lane 1): about 2**-64 in all.
 
 Cost: one pass over the dependencies' bytes, about a dozen integer operations per word.
 On a 2-core CPU that is ~2 ns per 4-byte word (XLA:CPU's integer loops are far slower
 than its float ones: a 64 MB dependency costs ~30 ms to check, a float sum of it ~2 ms).
+
+Fingerprints are computed per array and combined (`combine`). A concrete array's
+fingerprint is kept by identity (`known`): an eager `memox.call`, or `memox.jit`, hashes
+an unchanged dependency once, not at every check; inside a user's own `jit` the
+dependencies are tracers and are hashed in-graph.
 
 The static part (the method, the module's tree structure with its static fields, the
 shapes and dtypes of the dependencies, non-array arguments) is hashed in Python with
@@ -30,8 +36,8 @@ BLAKE2b and enters as the salt: it is a compile-time constant.
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -79,21 +85,74 @@ def words(x: Array) -> UInt32[Array, " n"]:
     return narrow.astype(jnp.uint32).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
-    """The 64-bit fingerprint of the values of `leaves`, salted by a static digest.
+@jax.jit
+def array_fingerprint(x: Array) -> UInt32[Array, "2"]:
+    """The 64-bit fingerprint of one array's bits (its shape and dtype are in the salt)."""
+    w = words(lax.stop_gradient(x))
+    position = lax.iota(jnp.uint32, w.size)
+    mixed = _fmix(w * _u32(_A) + position * _u32(_B))
+    lane0 = jnp.sum(mixed, dtype=jnp.uint32)
+    lane1 = jnp.sum(mixed * ((position * _u32(_C)) | _u32(1)), dtype=jnp.uint32)
+    size = _u32(w.size)
+    return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size ^ _u32(_C))])
 
-    Jitted so that an eager `memox.call` checks a slot in one dispatch; inside a trace it
-    is inlined like any nested `jax.jit`."""
-    flat = [words(x) for x in leaves]
-    total = sum(int(w.size) for w in flat)
+
+def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
+    """One fingerprint of several arrays' fingerprints, in order, salted.
+
+    Each step `lane -> fmix(lane * A + f + j)` is a bijection of both `lane` and `f`, so
+    a change of any one array's fingerprint changes the result."""
     lane0, lane1 = _u32(salt[0]), _u32(salt[1])
-    for index, w in enumerate(flat):
-        position = lax.iota(jnp.uint32, w.size)
-        seed = static_digest("leaf", index)[0]
-        mixed = _fmix(w * _u32(_A) + position * _u32(_B) + _u32(seed))
-        lane0 = lane0 + jnp.sum(mixed, dtype=jnp.uint32)
-        weights = (position * _u32(_C)) | _u32(1)
-        lane1 = lane1 + jnp.sum(mixed * weights, dtype=jnp.uint32)
-    size = _u32(total)
-    return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size)])
+    for j, f in enumerate(fingerprints):
+        lane0 = _fmix(lane0 * _u32(_A) + f[0] + _u32(j))
+        lane1 = _fmix(lane1 * _u32(_C) + f[1] + _u32(j))
+    return jnp.stack([lane0, lane1])
+
+
+def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
+    """The fingerprint of the values of `leaves`, salted by a static digest."""
+    return combine([array_fingerprint(x) for x in leaves], salt)
+
+
+class _Known:
+    """Fingerprints of concrete arrays, by identity.
+
+    A `jax.Array` is immutable: while the same object is alive, its fingerprint cannot
+    change. So a dependency passed unchanged from call to call is hashed once, and a
+    later check costs a dictionary lookup. Entries go when their array is collected."""
+
+    def __init__(self) -> None:
+        # id -> (weak reference, fingerprint on device, fingerprint in NumPy or None)
+        self._entries: dict[int, tuple[weakref.ref, Array, np.ndarray | None]] = {}
+
+    def _entry(self, x: jax.Array) -> tuple[weakref.ref, Array, np.ndarray | None]:
+        entry = self._entries.get(id(x))
+        if entry is None or entry[0]() is not x:
+            key = id(x)
+            ref = weakref.ref(x, lambda _, key=key: self._entries.pop(key, None))
+            # Computed now, not staged into a trace that may be running: a concrete
+            # array's fingerprint is a concrete value (a constant in any trace).
+            with jax.ensure_compile_time_eval():
+                fp = array_fingerprint(x)
+            entry = self._entries[key] = (ref, fp, None)
+        return entry
+
+    def __call__(self, x: jax.Array) -> Array:
+        """The fingerprint of `x` (on its device), computed at most once per object."""
+        return self._entry(x)[1]
+
+    def host(self, x: jax.Array) -> np.ndarray:
+        """The fingerprint of `x` as a NumPy array (waits for it once per object)."""
+        ref, fp, host = self._entry(x)
+        if host is None:
+            host = np.asarray(fp)
+            self._entries[id(x)] = (ref, fp, host)
+        return host
+
+
+known = _Known()
+
+
+def is_concrete_array(x: object) -> bool:
+    """Whether `x` is an immutable array with a value now (not a tracer, not NumPy)."""
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)

@@ -140,17 +140,16 @@ def allocate(slot: Memo, spec: Spec, snapshot_bytes: int) -> Memo:
     Hit and miss counts carry over from an allocated `slot`."""
     k = slot.size
     shape, dtype = storage_struct(spec)
-    zeros = jnp.zeros((k,), jnp.int32)
-    count = jnp.zeros((), jnp.int32)
+    # A buffer per leaf: `memox.jit` donates slot leaves, and a buffer is donated once.
     return Memo(
         value=jnp.zeros((k, *shape), dtype),
         valid=jnp.zeros((k,), jnp.bool_),
         key=jnp.zeros((k, KEY_WORDS), jnp.uint32),
-        age=zeros,
-        used=zeros,
+        age=jnp.zeros((k,), jnp.int32),
+        used=jnp.zeros((k,), jnp.int32),
         snapshot=jnp.zeros((k, snapshot_bytes), jnp.uint8),
-        hits=slot.hits if slot.allocated else count,
-        misses=slot.misses if slot.allocated else count,
+        hits=slot.hits if slot.allocated else jnp.zeros((), jnp.int32),
+        misses=slot.misses if slot.allocated else jnp.zeros((), jnp.int32),
         size=k,
     )
 
@@ -175,13 +174,16 @@ def touched(slot: Memo, index: Array) -> Memo:
     )
 
 
-def stored(slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array) -> Memo:
+def stored(
+    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array
+) -> tuple[Memo, Array]:
     """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
-    over the entry holding `key` if any, else an empty or the least recently used one."""
+    over the entry holding `key` if any, else an empty or the least recently used one;
+    and that entry's index."""
     same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
     oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
-    return dataclasses.replace(
+    new = dataclasses.replace(
         slot,
         value=lax.dynamic_update_index_in_dim(slot.value, encode(value, spec), index, 0),
         valid=slot.valid.at[index].set(True),
@@ -191,6 +193,7 @@ def stored(slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: A
         snapshot=lax.dynamic_update_index_in_dim(slot.snapshot, snapshot, index, 0),
         misses=slot.misses + 1,
     )
+    return new, index
 
 
 def invalidated(slot: Memo, when: Array | bool = True) -> Memo:

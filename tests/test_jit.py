@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import Counter, Foo, foo
 
 import memox
@@ -70,12 +71,29 @@ class Two(eqx.Module):
         return self.a + 2
 
 
-def test_slots_not_touched_are_not_returned():
-    m = Two(jnp.ones(3), Counter())
+def test_untouched_slots_pass_through_and_donated_slots_revive():
+    c = Counter()
+    m = Two(jnp.ones(3), c)
     _, m1 = memox.call(m, Two.two)
+    stored = jnp.array(m1.second.value)
     _, m2 = memox.jit(Two.one)(m1)
-    assert m2.second.value is m1.second.value
-    assert m2.a is m1.a
+    assert m2.a is m1.a  # parameters never cross the boundary
+    assert jnp.array_equal(m2.second.value, stored)  # an untouched slot keeps its value
+    # The slots of m1 were donated to m2; calling on m1 again recomputes, with a warning.
+    assert m1.second.value.is_deleted()
+    with pytest.warns(UserWarning, match=r"slots .* were donated to an earlier `memox.jit`"):
+        _, m3 = memox.jit(Two.one)(m1)
+    assert c.n == 2 and jnp.array_equal(m3.first.value, m2.first.value)
+
+
+def test_without_donation_the_old_module_keeps_its_slots():
+    c = Counter()
+    m = Two(jnp.ones(3), c)
+    step = memox.jit(Two.one, donate=False)
+    _, m1 = step(m)
+    _, m2 = step(m1)
+    _, m3 = step(m1)  # the old module still holds its filled slot: a hit
+    assert c.n == 1 and not m1.first.value.is_deleted()
 
 
 def test_result_and_module_match_call():
