@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
-from ._fingerprint import is_concrete_array
 from ._cached import CachedMethod, method_for, plan_without_arguments
+from ._fingerprint import is_concrete_array
 from ._slot import (
     Memo,
     Path,

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax.tree_util as jtu
-
 from jax import lax
 
 from . import _jax_internals

@@ -86,7 +86,7 @@ def words(x: Array) -> UInt32[Array, " n"]:
 
 
 @jax.jit
-def array_fingerprint(x: Array) -> UInt32[Array, "2"]:
+def array_fingerprint(x: Array) -> UInt32[Array, 2]:
     """The 64-bit fingerprint of one array's bits (its shape and dtype are in the salt)."""
     w = words(lax.stop_gradient(x))
     position = lax.iota(jnp.uint32, w.size)
@@ -97,7 +97,7 @@ def array_fingerprint(x: Array) -> UInt32[Array, "2"]:
     return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size ^ _u32(_C))])
 
 
-def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
+def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
     """One fingerprint of several arrays' fingerprints, in order, salted.
 
     Each step `lane -> fmix(lane * A + f + j)` is a bijection of both `lane` and `f`, so
@@ -109,7 +109,7 @@ def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Arra
     return jnp.stack([lane0, lane1])
 
 
-def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, "2"]:
+def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
     """The fingerprint of the values of `leaves`, salted by a static digest."""
     return combine([array_fingerprint(x) for x in leaves], salt)
 

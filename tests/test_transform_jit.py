@@ -16,7 +16,7 @@ def _scaled_b(m, x):
 
 
 def _compile(wrapper, fn):
-    """`fn(module, x)` run by `memox.call` and compiled by `wrapper`: `(module, x) -> (y, module)`."""
+    """`fn(module, x)` run by `memox.call`, compiled by `wrapper`: `(module, x) -> (y, module)`."""
     if wrapper == "memox.jit":
         return memox.jit(fn)
     jit = jax.jit if wrapper == "jax.jit" else eqx.filter_jit
