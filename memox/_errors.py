@@ -56,12 +56,13 @@ UNALLOCATED_NESTED = (
 
 INNER_TRANSFORM = (
     "`{method}` updates slot `{slot}` with values that belong to a JAX transformation "
-    "(`jax.vmap`, `jax.jit`, `lax.scan`, ...) opened inside `memox.call`, so the update "
-    "cannot be written back to the module without leaking a tracer. This happens when "
-    "the method's dependencies or arguments are batched, traced or carried by that "
-    "transformation. Run `memox.call` inside the transformation instead (e.g. "
-    "`jax.vmap(lambda x: memox.call(model, fn, x))`), or call the method once outside "
-    "it with unbatched arguments so that the inner calls are hits."
+    "(`jax.vmap`, `jax.jit`, `lax.scan`, `lax.cond`, ...) opened inside `memox.call`, so "
+    "the update (a fill, or the hit counters) cannot be written back to the module without "
+    "leaking a tracer. This happens when the method runs inside that transformation's "
+    "trace, or its dependencies or arguments are batched or carried by it. Either run "
+    "`memox.call` inside the transformation (e.g. `jax.vmap(lambda x: memox.call(model, "
+    "fn, x))`, or a scan whose carry is the module), or read the value before it "
+    "(`value, model = memox.call(model, Foo.method)`) and use `value` inside."
 )
 
 UNSUPPORTED_DTYPE = (

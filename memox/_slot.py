@@ -55,8 +55,8 @@ class _Empty:
             cls._instance = super().__new__(cls)
         return cls._instance
 
-    def __reduce__(self) -> str:
-        return "EMPTY"
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _empty, ()
 
     def __repr__(self) -> str:
         # Shown by JAX when an empty slot reaches `jax.jit` or `lax.scan` as an argument.
@@ -66,7 +66,16 @@ class _Empty:
         )
 
 
+# JAX names only the type of a non-array argument it refuses (`jax.jit`, `lax.scan`): the
+# type's name says what to do.
+_Empty.__module__ = "memox"
+_Empty.__qualname__ = _Empty.__name__ = "EmptySlot (allocate it with `memox.init(module)`)"
+
 EMPTY = _Empty()
+
+
+def _empty() -> _Empty:
+    return EMPTY
 
 
 class Memo(eqx.Module, Generic[T]):

@@ -181,7 +181,7 @@ def test_batched_fill_into_unbatched_slot():
         memox.call(m, lambda m: jax.vmap(m.apply)(jnp.ones((2, 3))))
     msg = str(excinfo.value)
     assert "`Keyed.apply` updates slot `cache` with values that belong to a JAX" in msg
-    assert "Run `memox.call` inside the transformation instead" in msg
+    assert "Either run `memox.call` inside the transformation" in msg
     # What the message suggests works:
     ys, _ = jax.vmap(lambda x: memox.call(m, Keyed.apply, x))(jnp.ones((2, 3)))
     assert ys.shape == (2, 3)

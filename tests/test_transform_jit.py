@@ -120,27 +120,25 @@ def test_unallocated_module_under_jax_jit_is_refused():
         jax.jit(lambda m: memox.call(m, Foo.b))(foo(Counter()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/design.md: the empty marker's repr 'tells the user to call memox.init', "
-    "but jax.jit's error shows only the marker's type, so `memox.init` is never named.",
-)
 def test_unallocated_module_under_jax_jit_names_init():
+    # JAX names only the type of the argument it refuses: the marker's type says what to do.
     with pytest.raises(TypeError, match=r"memox\.init"):
         jax.jit(lambda m: memox.call(m, Foo.b))(foo(Counter()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hit on a module closed over by a `jax.jit` opened inside `fn` still writes "
-    "its hit counter from the inner trace and raises the inner-transformation error, "
-    "although that error advises making the inner calls hits.",
-)
-def test_hit_inside_jit_opened_inside_call():
+def test_hit_inside_jit_opened_inside_call_is_refused_and_the_advice_works():
+    # Even a hit updates the slot (its counters) from inside the inner trace: refused.
     c = Counter()
     _, f = memox.call(foo(c), Foo.b)
-    y, f = memox.call(f, lambda m: jax.jit(lambda: m.b())())
-    assert y == jnp.sum(f.a) and c.n == 1
+    with pytest.raises(ValueError, match=r"or read the value before it"):
+        memox.call(f, lambda m: jax.jit(lambda: m.b())())
+
+    def read_first(m):
+        b = m.b()
+        return jax.jit(lambda b: 2 * b)(b)
+
+    y, f = memox.call(f, read_first)
+    assert y == 2 * jnp.sum(f.a) and c.n == 1
 
 
 def test_fill_inside_jit_opened_inside_call_is_refused():

@@ -237,19 +237,20 @@ def test_module_closed_over_in_scan_opened_inside_call_fill_is_refused():
         memox.call(f, fn)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/design.md says a module closed over in a loop body is 'correct; fills "
-    "cannot leave the body', and the error advises making the inner calls hits; but a "
-    "hit inside a scan opened inside `fn` writes its hit counter from the loop body and "
-    "raises the inner-transformation error.",
-)
-def test_hit_on_module_closed_over_in_scan_opened_inside_call():
+def test_hit_on_module_closed_over_in_scan_opened_inside_call_is_refused():
+    # Even a hit updates the slot (its counters) from inside the loop body: refused.
     c = Counter()
     _, f = memox.call(foo(c), Foo.b)
 
     def fn(m):
         return lax.scan(lambda acc, x: (acc + m.b() * x, None), jnp.float32(0), jnp.ones(3))[0]
 
-    total, f = memox.call(f, fn)
+    with pytest.raises(ValueError, match=r"or read the value before it"):
+        memox.call(f, fn)
+
+    def read_first(m):
+        b = m.b()
+        return lax.scan(lambda acc, x: (acc + b * x, None), jnp.float32(0), jnp.ones(3))[0]
+
+    total, f = memox.call(f, read_first)
     assert total == 3 * np.asarray(f.a).sum() and c.n == 1

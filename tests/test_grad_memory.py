@@ -1,0 +1,119 @@
+"""Reverse-mode memory: `jax.grad` through a `lax.scan` whose body reads a cached value,
+against the same scan unmemoized (XLA's temporary buffers of the compiled gradient)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memox
+from memox import Memo
+
+
+pytestmark = pytest.mark.heavy
+
+N, T = 256, 50
+
+
+class Model(eqx.Module):
+    a: jax.Array  # (N, N), frozen
+    theta: jax.Array  # (N,), differentiated
+    chol_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("chol_cache")
+    def chol(self):
+        return _chol(self.a)
+
+
+def _chol(a):
+    return jnp.linalg.cholesky(a @ a.T / N + jnp.eye(N))
+
+
+def _step(L, theta, h, x):
+    return jnp.tanh(jax.scipy.linalg.cho_solve((L, True), h * theta + x))
+
+
+def _loss_carried(theta, m, xs):
+    """The module is the scan's carry (the documented pattern: fills propagate)."""
+
+    def body(carry, x):
+        m, h = carry
+        L, m = memox.call(m, Model.chol)
+        return (m, _step(L, theta, h, x)), None
+
+    (_, h), _ = lax.scan(body, (m, jnp.zeros(N)), xs)
+    return jnp.sum(h**2)
+
+
+def _loss_closed_over(theta, m, xs):
+    """The module, filled beforehand, is closed over by the body (every step a hit)."""
+
+    def body(h, x):
+        L, _ = memox.call(m, Model.chol)
+        return _step(L, theta, h, x), None
+
+    h, _ = lax.scan(body, jnp.zeros(N), xs)
+    return jnp.sum(h**2)
+
+
+def _loss_plain(theta, m, xs):
+    def body(h, x):
+        return _step(_chol(m.a), theta, h, x), None
+
+    h, _ = lax.scan(body, jnp.zeros(N), xs)
+    return jnp.sum(h**2)
+
+
+def _temp_bytes(loss, *args):
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _setup():
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(N, N)), jnp.float32)
+    theta = jnp.asarray(rng.normal(size=N), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(T, N)), jnp.float32)
+    return memox.init(Model(a, theta)), theta, xs
+
+
+def _setup_for(loss):
+    m, theta, xs = _setup()
+    if loss is _loss_closed_over:
+        m = jax.jit(lambda m: memox.call(m, Model.chol)[1])(m)
+    return theta, m, xs
+
+
+def _ratio(loss):
+    args = _setup_for(loss)
+    return _temp_bytes(loss, *args) / _temp_bytes(_loss_plain, *args)
+
+
+@pytest.mark.parametrize("loss", [_loss_carried, _loss_closed_over])
+def test_gradients_equal_unmemoized(loss):
+    args = _setup_for(loss)
+    g = jax.jit(jax.grad(loss))(*args)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(_loss_plain))(*args), rtol=1e-4, atol=1e-6)
+
+
+# Measured (jax 0.10.2, XLA:CPU): the carried module needs ~20.7x the temporary memory
+# of the unmemoized scan. The unmemoized Cholesky factor is loop-invariant, so JAX keeps
+# one copy of it as a residual for the backward pass; the cached factor is read from a
+# slot in the carry, which changes every step (counters), so the factor is saved once
+# per step: T x N x N x 4 bytes = 13.1 MB against 0.68 MB. `jax.checkpoint` on the body
+# makes it worse (~41x: the carried slot is saved per step instead).
+@pytest.mark.xfail(
+    strict=True,
+    reason="grad through a scan with the module as the carry saves the cached value once "
+    "per step (~20.7x the unmemoized scan's temporary memory at N=256, T=50).",
+)
+def test_memory_with_the_module_as_carry():
+    assert _ratio(_loss_carried) <= 2
+
+
+def test_memory_with_a_filled_module_closed_over():
+    # The workaround: fill before the loop and close over the module. The hit read is
+    # loop-invariant and kept once (measured ratio ~1.0).
+    assert _ratio(_loss_closed_over) <= 2

@@ -1,0 +1,107 @@
+"""Two threads calling `memox.call` on different modules at the same time never see each
+other's slots: each call's frame is on its own thread's stack."""
+
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Counter
+
+import memox
+from memox import Memo
+
+
+ITERATIONS = 40
+
+
+class Scaled(eqx.Module):
+    a: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def total(self):
+        self.counter.tick()
+        return jnp.sum(self.a)
+
+
+def _run_threads(target, n=2):
+    """Run `target(i, barrier)` on `n` threads at once; re-raise the first error."""
+    barrier = threading.Barrier(n)
+    errors = []
+
+    def guarded(i):
+        try:
+            target(i, barrier)
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_concurrent_calls_on_different_modules(mode):
+    # Same class and shapes (so both threads share memox's per-method plans and, under
+    # `jax.jit`, one compiled function), different values: a slot seen by the wrong
+    # thread would give the other module's sum or a wrong hit count.
+    counters = [Counter(), Counter()]
+    modules = [
+        memox.init(Scaled(jnp.full((4,), float(i + 1), jnp.float32), counters[i]))
+        for i in range(2)
+    ]
+    expected = [4.0, 8.0]
+    step = jax.jit(lambda m: memox.call(m, Scaled.total)) if mode == "jit" else None
+    results = [[], []]
+    finals = [None, None]
+
+    def work(i, barrier):
+        m = modules[i]
+        for k in range(ITERATIONS):
+            barrier.wait()  # both threads enter each call together
+            if k % 10 == 0:  # a parameter change every 10 calls: a miss
+                m = memox.clear(m)
+            out, m = step(m) if step is not None else memox.call(m, Scaled.total)
+            results[i].append(float(out))
+        finals[i] = m
+
+    _run_threads(work)
+    for i in range(2):
+        np.testing.assert_array_equal(results[i], [expected[i]] * ITERATIONS)
+        misses = ITERATIONS // 10
+        assert counters[i].n == misses
+        stats = memox.stats(finals[i])["cache"]
+        assert (stats.hits, stats.misses) == (ITERATIONS - misses, misses)
+
+
+def test_concurrent_first_traces_of_one_method():
+    # Both threads trace (plan, allocate, compile) the same cached method for the first
+    # time at once, on modules of a shape no other test uses.
+    counters = [Counter(), Counter()]
+    finals = [None, None]
+    outs = [None, None]
+
+    def work(i, barrier):
+        m = Scaled(jnp.arange(7.0, dtype=jnp.float32) * (i + 1), counters[i])
+        step = memox.jit(lambda m: m.total())
+        barrier.wait()
+        for _ in range(5):
+            outs[i], m = step(m)
+        finals[i] = m
+
+    _run_threads(work)
+    for i in range(2):
+        assert float(outs[i]) == 21.0 * (i + 1)
+        assert counters[i].n == 1
+        stats = memox.stats(finals[i])["cache"]
+        assert (stats.hits, stats.misses) == (4, 1)
