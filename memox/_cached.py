@@ -42,7 +42,18 @@ from . import _context, _errors, _jax_internals
 from ._fingerprint import combine, static_digest
 from ._flops import flops_of_jaxpr
 from ._policy import Exact, Policy, fresh
-from ._slot import Memo, Path, allocate, is_memo, lookup, path_name, stored, strong, touched
+from ._slot import (
+    Memo,
+    Path,
+    allocate,
+    entry,
+    is_memo,
+    lookup,
+    path_name,
+    stored,
+    strong,
+    touched,
+)
 from ._storage import Spec, pack, packed_size, unpack
 
 
@@ -376,7 +387,7 @@ def _memo(
             slot, sub, index = lax.cond(hit, hit_branch, miss_branch, *operands)
         else:
             slot, sub, index = (hit_branch if bool(hit) else miss_branch)(*operands)
-        return slot.entry(index, the_plan.spec), slot, sub
+        return entry(slot, index, the_plan.spec), slot, sub
 
     def tangent_rule(primals, tangents):
         deps, others, arg_arrays, slot, sub, key = primals

@@ -36,6 +36,7 @@ BLAKE2b and enters as the salt: it is a compile-time constant.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from collections.abc import Sequence
@@ -97,6 +98,7 @@ def array_fingerprint(x: Array) -> UInt32[Array, 2]:
     return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size ^ _u32(_C))])
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
     """One fingerprint of several arrays' fingerprints, in order, salted.
 

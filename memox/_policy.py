@@ -26,6 +26,7 @@ method: arguments are keyed exactly, and the outer policy then applies to the re
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -125,6 +126,7 @@ class Manual(Policy):
     keys_dependencies: bool = dataclasses.field(default=False, init=False, repr=False)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def fresh(policy: Policy, age: Array, deps: Sequence[Array], snapshots: Sequence[Array]) -> Array:
     """Per table entry: whether the policy allows reusing it (besides its key matching).
 

@@ -23,10 +23,12 @@ static, while `jax.jit` and `lax.scan` need the module allocated by `memox.init`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
@@ -134,10 +136,6 @@ class Memo(eqx.Module, Generic[T]):
             (self.size, snapshot_bytes),
         )
 
-    def entry(self, index: Array, spec: Spec) -> PyTree[Array]:
-        """The value stored in entry `index`."""
-        return decode(lax.dynamic_index_in_dim(self.value, index, keepdims=False), spec)
-
 
 def is_memo(x: Any) -> bool:
     return isinstance(x, Memo)
@@ -163,6 +161,17 @@ def allocate(slot: Memo, spec: Spec, snapshot_bytes: int) -> Memo:
     )
 
 
+# The table operations are jitted: an eager `memox.call` then dispatches a few compiled
+# programs instead of dozens of primitives; inside a trace they are inlined.
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def entry(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
+    """The value stored in entry `index`."""
+    return decode(lax.dynamic_index_in_dim(slot.value, index, keepdims=False), spec)
+
+
+@jax.jit
 def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
     """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
     match = slot.valid & jnp.all(slot.key == key[None, :], axis=-1) & fresh
@@ -173,6 +182,7 @@ def _clock(slot: Memo) -> Array:
     return slot.hits + slot.misses
 
 
+@jax.jit
 def touched(slot: Memo, index: Array) -> Memo:
     """`slot` after a hit on entry `index`."""
     return dataclasses.replace(
@@ -183,6 +193,7 @@ def touched(slot: Memo, index: Array) -> Memo:
     )
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array
 ) -> tuple[Memo, Array]:

@@ -1,8 +1,13 @@
 """Differential fuzzing: random op sequences, each result compared with the same
 sequence run without memox. No sequence may serve a stale value or a wrong gradient.
 
-CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200); the nightly size is
-`MEMOX_FUZZ_EXAMPLES=10000 python -m pytest -m heavy tests/test_fuzz.py`.
+CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200) under the leak checker; the
+nightly size is
+
+    MEMOX_FUZZ_EXAMPLES=10000 MEMOX_CHECK_LEAKS=0 python -m pytest -m heavy tests/test_fuzz.py
+
+(the leak checker disables JAX's cache of compiled primitives: eager ops would compile
+every time).
 """
 
 import dataclasses
@@ -97,6 +102,31 @@ def _scan(name, length):
     )
 
 
+@functools.cache
+def _grads(name):
+    """Gradients of a loss through `name`, with memox and without (compiled once)."""
+
+    def loss(p, q, model, args, cached):
+        m = eqx.tree_at(lambda m: (m.p, m.q), model, (p, q))
+        if cached:
+            return jnp.sum(memox.call(m, lambda m: getattr(m, name)(*args))[0] ** 2)
+        return jnp.sum(_plain(m, name, args) ** 2)
+
+    def both(model, args):
+        grad = jax.grad(loss, argnums=(0, 1))
+        return grad(model.p, model.q, model, args, True), grad(
+            model.p, model.q, model, args, False
+        )
+
+    return eqx.filter_jit(both)
+
+
+@eqx.filter_jit
+def _vmapped(model, xs):
+    got, _ = jax.vmap(lambda x: memox.call(model, Model.c, x))(xs)
+    return got, jax.vmap(lambda x: _plain(model, "c", (x,)))(xs)
+
+
 def _assert_close(got, want, what):
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6, err_msg=what
@@ -132,15 +162,7 @@ def _apply(model, op):
             _assert_close(y, _plain(model, name, args), f"scan {name}")
     elif kind == "grad":
         name, args = _target(op[1], op[2])
-
-        def loss(p, q, cached):
-            m = eqx.tree_at(lambda m: (m.p, m.q), model, (p, q))
-            if cached:
-                return jnp.sum(memox.call(m, lambda m: getattr(m, name)(*args))[0] ** 2)
-            return jnp.sum(_plain(m, name, args) ** 2)
-
-        got = jax.grad(loss, argnums=(0, 1))(model.p, model.q, True)
-        want = jax.grad(loss, argnums=(0, 1))(model.p, model.q, False)
+        got, want = _grads(name)(model, args)
         for g, w in zip(got, want):
             _assert_close(g, w, f"grad {name}")
     elif kind == "serialise":
@@ -149,9 +171,8 @@ def _apply(model, op):
         buffer.seek(0)
         model = eqx.tree_deserialise_leaves(buffer, model)
     elif kind == "vmap":
-        xs = jnp.stack(XS)
-        got, _ = jax.vmap(lambda x: memox.call(model, Model.c, x))(xs)
-        _assert_close(got, jax.vmap(lambda x: _plain(model, "c", (x,)))(xs), "vmap c")
+        got, want = _vmapped(model, jnp.stack(XS))
+        _assert_close(got, want, "vmap c")
     return model
 
 
