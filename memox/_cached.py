@@ -90,10 +90,12 @@ class CachedMethod:
             frame.nested = True
         elif frame is not None:
             path = frame.find(module, self.slot)
-            if path is not None and frame.discover:
-                return _discover(self, frame, path, module, args, kwargs)
             if path is not None:
-                return _memo(self, frame, path, module, args, kwargs)
+                call = _Call.prepare(self, frame, path, module, args, kwargs)
+                if frame.discover:  # `memox.init`: allocate the slot, then compute
+                    frame.write(path, call.slot, self.qualname)
+                    return self.fn(module, *args, **kwargs)
+                return _memo(call)
         return self.fn(module, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -317,19 +319,37 @@ def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
 # -- the memoised operation -----------------------------------------------------------
 
 
-def _memo(
-    method: CachedMethod,
-    frame: _context.Frame,
-    path: Path,
-    module: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    parts, arrays = _Parts.split(module)
-    arg_parts, arg_arrays = _Parts.split((args, kwargs))
-    the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of a cached method found in a frame, planned, its slot fitted."""
+
+    method: CachedMethod
+    frame: _context.Frame
+    path: Path
+    module: Any
+    parts: _Parts
+    arrays: list[Any]
+    arg_parts: _Parts
+    arg_arrays: list[Any]
+    plan: Plan
+    slot: Memo
+
+    @classmethod
+    def prepare(cls, method, frame, path, module, args, kwargs) -> _Call:
+        parts, arrays = _Parts.split(module)
+        arg_parts, arg_arrays = _Parts.split((args, kwargs))
+        the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
+        slot = _fit(method, frame, path, frame.store[path], the_plan)
+        return cls(
+            method, frame, path, module, parts, arrays, arg_parts, arg_arrays, the_plan, slot
+        )
+
+
+def _memo(call: _Call) -> Any:
+    method, frame, path, module = call.method, call.frame, call.path, call.module
+    parts, arrays, arg_parts, arg_arrays = call.parts, call.arrays, call.arg_parts, call.arg_arrays
+    the_plan, slot = call.plan, call.slot
     policy = method.policy
-    slot = _fit(method, frame, path, frame.store[path], the_plan)
     used = set(the_plan.used)
     deps = [x for i, x in enumerate(arrays) if i in used]
     others = [x for i, x in enumerate(arrays) if i not in used]
@@ -417,22 +437,6 @@ def _memo(
     for p, s in zip(sub_paths, new_sub):
         frame.write(p, s, method.qualname)
     return value
-
-
-def _discover(
-    method: CachedMethod,
-    frame: _context.Frame,
-    path: Path,
-    module: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """Allocate the slot for this call (no cache read or write), then compute."""
-    parts, arrays = _Parts.split(module)
-    arg_parts, arg_arrays = _Parts.split((args, kwargs))
-    the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
-    frame.write(path, _fit(method, frame, path, frame.store[path], the_plan), method.qualname)
-    return method.fn(module, *args, **kwargs)
 
 
 def _slot_paths(module: Any) -> list[Path]:

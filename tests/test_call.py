@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, Outer, foo, outer
 
 import memox
 from memox import Memo
@@ -127,33 +127,8 @@ def test_only_what_the_method_reads_is_a_dependency():
     assert c.n == 2 and v == 5.0
 
 
-class Inner(eqx.Module):
-    x: jax.Array
-    counter: Counter = eqx.field(static=True)
-    gram_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("gram_cache")
-    def gram(self):
-        self.counter.tick()
-        return self.x @ self.x.T
-
-
-class Outer(eqx.Module):
-    inner: Inner
-    y: jax.Array
-    counter: Counter = eqx.field(static=True)
-    chol_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("chol_cache")
-    def chol(self):
-        self.counter.tick()
-        return jnp.linalg.cholesky(self.inner.gram() + jnp.diag(self.y))
-
-
 def _outer():
-    ci, co = Counter(), Counter()
-    x = jnp.arange(9.0).reshape(3, 3) / 10
-    return Outer(Inner(x, ci), jnp.ones(3), co), ci, co
+    return outer()
 
 
 def _reference(m):

@@ -6,44 +6,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, Kernel, gp_loss, gram
 
 import memox
-from memox import Memo
 
 
 N = 4
 
 
-class Kernel(eqx.Module):
-    x: jax.Array  # (N, 2) inputs
-    log_scale: jax.Array
-    counter: Counter = eqx.field(static=True)
-    chol_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("chol_cache")
-    def chol(self):
-        self.counter.tick()
-        return jnp.linalg.cholesky(_gram(self.x, self.log_scale))
-
-
-def _gram(x, log_scale):
-    d2 = jnp.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1)
-    return jnp.exp(-d2 * jnp.exp(log_scale)) + 0.5 * jnp.eye(N)
-
-
-def _loss(L, y):
-    return y @ jax.scipy.linalg.cho_solve((L, True), y) + 2 * jnp.sum(jnp.log(jnp.diag(L)))
-
-
 def _memo(k, s, y):
     """The loss through the cache, as a function of `log_scale` and `y`."""
     L, _ = memox.call(eqx.tree_at(lambda t: t.log_scale, k, s), Kernel.chol)
-    return _loss(L, y)
+    return gp_loss(L, y)
 
 
 def _plain(k, s, y):
-    return _loss(jnp.linalg.cholesky(_gram(k.x, s)), y)
+    return gp_loss(jnp.linalg.cholesky(gram(k.x, s)), y)
 
 
 def _apply(op, f, argnum, s, y):
@@ -128,7 +106,7 @@ def test_value_stored_under_grad_is_a_hit_afterwards():
 
     def loss(k):
         L, k = memox.call(k, Kernel.chol)
-        return _loss(L, y), k
+        return gp_loss(L, y), k
 
     (_, k), g = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(k)
     g_ref = jax.jit(jax.grad(_plain, argnums=1))(k, k.log_scale, y)

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, Kernel, gp_loss, gram
 from jax import lax
 
 import memox
-from memox import Memo
 
 
 N = 4
@@ -20,35 +19,14 @@ X = np.random.default_rng(0).normal(size=(N, 2)).astype(np.float32)
 Y = np.linspace(-1, 1, N, dtype=np.float32)
 
 
-class Kernel(eqx.Module):
-    x: jax.Array  # (N, 2) inputs
-    log_scale: jax.Array
-    counter: Counter = eqx.field(static=True)
-    chol_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("chol_cache")
-    def chol(self):
-        self.counter.tick()
-        return jnp.linalg.cholesky(_gram(self.x, self.log_scale))
-
-
-def _gram(x, log_scale):
-    d2 = jnp.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1)
-    return jnp.exp(-d2 * jnp.exp(log_scale)) + 0.5 * jnp.eye(N)
-
-
-def _loss(L, y):
-    return y @ jax.scipy.linalg.cho_solve((L, True), y) + 2 * jnp.sum(jnp.log(jnp.diag(L)))
-
-
 def _memo(k, s, y):
     L, _ = memox.call(eqx.tree_at(lambda t: t.log_scale, k, s), Kernel.chol)
-    return _loss(L, y)
+    return gp_loss(L, y)
 
 
 def _plain(counter, x, s, y):
     counter.tick()
-    return _loss(jnp.linalg.cholesky(_gram(x, s)), y)
+    return gp_loss(jnp.linalg.cholesky(gram(x, s)), y)
 
 
 @jax.jit
@@ -94,7 +72,7 @@ def test_checkpointed_scan_body_with_the_module_as_carry():
 
     def step(k, w):
         L, k = memox.call(k, Kernel.chol)
-        return k, _loss(L, w * jnp.asarray(Y))
+        return k, gp_loss(L, w * jnp.asarray(Y))
 
     body = jax.checkpoint(step)
 
@@ -103,8 +81,8 @@ def test_checkpointed_scan_body_with_the_module_as_carry():
         return lax.scan(body, k, ws)[1].sum()
 
     def total_plain(s, ws):
-        L = jnp.linalg.cholesky(_gram(k0.x, s))
-        return sum(_loss(L, w * jnp.asarray(Y)) for w in ws)
+        L = jnp.linalg.cholesky(gram(k0.x, s))
+        return sum(gp_loss(L, w * jnp.asarray(Y)) for w in ws)
 
     ws = jnp.arange(1.0, T + 1)
     g = jax.jit(jax.grad(total, argnums=(0, 1)))(k0.log_scale, ws)

@@ -5,12 +5,10 @@ holds only the outer frame's writes."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, Inner, Outer, foo, outer
 
 import memox
-from memox import Memo
 
 
 def _counts(m):
@@ -74,33 +72,9 @@ def test_same_module_inner_module_used_in_outer_fn():
     assert c.n == 2 and _counts(f) == {"b_cache": (0, 0)}
 
 
-class Inner(eqx.Module):
-    x: jax.Array
-    counter: Counter = eqx.field(static=True)
-    gram_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("gram_cache")
-    def gram(self):
-        self.counter.tick()
-        return self.x @ self.x.T
-
-
-class Outer(eqx.Module):
-    inner: Inner
-    y: jax.Array
-    counter: Counter = eqx.field(static=True)
-    chol_cache: Memo[jax.Array] = Memo()
-
-    @memox.cached("chol_cache")
-    def chol(self):
-        self.counter.tick()
-        return jnp.linalg.cholesky(self.inner.gram() + jnp.diag(self.y))
-
-
 def _outer():
-    ci, co = Counter(), Counter()
-    x = jnp.arange(9.0).reshape(3, 3) / 10
-    return memox.init(Outer(Inner(x, ci), jnp.ones(3), co)), ci, co
+    m, ci, co = outer()
+    return memox.init(m), ci, co
 
 
 def _chol_plain(m):
