@@ -121,3 +121,24 @@ def test_keyword_and_static_arguments():
     assert y == 9 * jnp.sum(f.a)
     y, f = step(f, jnp.float32(3), power=3)  # a static argument: retraces
     assert traces == [2, 3] and c.n == 1
+
+
+def test_unchanged_dependencies_are_fingerprinted_outside_once():
+    from memox._fingerprint import known
+
+    c = Counter()
+    step = memox.jit(lambda f: f.b())
+    f = foo(c)
+    for _ in range(3):
+        _, f = step(f)
+    # Seen unchanged twice: fingerprinted once outside the compiled code, by identity.
+    assert id(f.a) in known._entries and known._entries[id(f.a)][2] is not None
+    # A new array with the same values is not trusted by identity: hashed in-graph, a hit.
+    f = eqx.tree_at(lambda t: t.a, f, jnp.array(f.a))
+    _, f = step(f)
+    assert c.n == 1
+    # Different values: a miss, whatever was fingerprinted before.
+    f = eqx.tree_at(lambda t: t.a, f, f.a.at[0, 0].add(1.0))
+    for _ in range(3):
+        y, f = step(f)
+    assert c.n == 2 and y == jnp.sum(f.a)
