@@ -7,10 +7,12 @@ Inside a `memox.call`, calling a cached method runs one operation, `_memo`:
    code elimination). Those are its dependencies. The static part of its fingerprint
    (method, tree structure with static fields, shapes, non-array arguments) and the
    shape of its value come from the same trace.
-2. **Check** (in-graph): fingerprint the dependencies and the array arguments; it is a
-   hit when the slot is valid and its stored fingerprint matches.
-3. **Branch** (in-graph): `lax.cond` returns the stored value on a hit and runs the
-   method on a miss. A hit therefore skips the computation at run time. Cached methods
+2. **Check** (in-graph): fingerprint the dependencies and the array arguments (the
+   policy says which; a concrete array's fingerprint is kept by identity); it is a hit
+   when a valid entry holds that key and the policy allows reusing it.
+3. **Branch** (in-graph): `lax.cond` passes the slot through on a hit (its counters
+   updated) and runs the method and stores its value on a miss; the value is then read
+   from the slot. A hit therefore skips the computation at run time. Cached methods
    reached inside the miss branch get a frame of their own, with the slots below this
    module threaded through the branch, so nested caches fill once.
 4. **Differentiate**: `_memo` is a `jax.custom_jvp` with symbolic zeros. When no
