@@ -1,0 +1,144 @@
+"""Run memox's benchmarks: `python -m benchmarks [--quick] [--only s1,s4] [--out DIR]`.
+
+Writes `<date>-<device>.json`, `.md` and `-*.png` to `benchmarks/results/` (full mode)
+or `benchmarks/results/quick/` (`--quick`; git-ignored, for CI's smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from . import _report
+from ._common import progress
+
+
+SCENARIOS = {
+    "s1": "s1_frozen_training",
+    "s2": "s2_gp_serving",
+    "s3": "s3_stiff_jacobian",
+    "s4": "s4_changing_dependency",
+    "s5": "s5_dispatch",
+    "s6": "s6_compile",
+    "s7": "s7_memory",
+}
+HERE = Path(__file__).resolve().parent
+
+
+def device_name() -> str:
+    device = jax.devices()[0]
+    name = getattr(device, "device_kind", "") or device.platform
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or device.platform
+
+
+def environment(argv: list[str]) -> dict:
+    def version(pkg: str) -> str:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(HERE.parent), "status", "--porcelain", "memox"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        commit += " + uncommitted changes in memox/" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    device = jax.devices()[0]
+    return {
+        "device": device_name(),
+        "device_kind": getattr(device, "device_kind", ""),
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "versions": {
+            pkg: version(pkg)
+            for pkg in ("jax", "jaxlib", "equinox", "memox", "optax", "flax", "numpy")
+        },
+        "memox_commit": commit,
+        "command": " ".join(["python -m benchmarks", *argv]),
+        "executable": sys.executable,
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    parser.add_argument("--only", default="", help="comma-separated scenarios, e.g. s1,s4")
+    parser.add_argument("--out", default=None, help="output directory")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {list(SCENARIOS)}")
+    out_dir = Path(args.out) if args.out else HERE / "results" / ("quick" if args.quick else "")
+    start = time.perf_counter()
+    env = environment(argv)
+    progress(
+        f"memox benchmarks, {mode} mode, on {env['device']} ({env['platform']}); "
+        f"writing to {out_dir}"
+    )
+
+    modules = {
+        key: importlib.import_module(f".{name}", __package__) for key, name in SCENARIOS.items()
+    }
+    sizes = {key: mod.SIZES[mode] for key, mod in modules.items() if hasattr(mod, "SIZES")}
+    results: dict = {}
+    for key in chosen:
+        t0 = time.perf_counter()
+        if key == "s6":
+            results[key] = modules[key].run(results)
+        elif key == "s7":
+            results[key] = modules[key].run(sizes)
+        else:
+            results[key] = modules[key].run(sizes[key])
+        progress(f"{key} done in {time.perf_counter() - t0:.1f} s")
+
+    env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "mode": mode,
+        "runtime_s": time.perf_counter() - start,
+        "environment": env,
+        "sizes": sizes,
+        "scenarios": results,
+    }
+    record["headline"] = _report.headline(results)
+    stem = f"{record['date']}-{env['device']}"
+    if args.only:  # a partial run never overwrites a complete one
+        stem += "-only-" + "-".join(chosen)
+    files = _report.write(record, out_dir, stem)
+    print(_report.table(record["headline"]))
+    progress(f"done in {record['runtime_s']:.1f} s; wrote {', '.join(files)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Writing results: the JSON record, the Markdown report and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def colour(name: str) -> str:
+    """One colour per family of variants: red recomputes, blue memox, green by hand."""
+    name = name.split(" [")[0]
+    for prefix, c in (
+        ("memox Manual", "tab:cyan"),
+        ("memox.jit step", "tab:purple"),
+        ("memox.jit, donate", "tab:purple"),
+        ("scan: memox", "tab:blue"),
+        ("memox", "tab:blue"),
+        ("filter_jit + memox", "tab:purple"),
+        ("scan: naive", "tab:red"),
+        ("naive", "tab:red"),
+        ("recompute", "tab:red"),
+        ("refactorise", "tab:red"),
+        ("filter_jit, unmemoized", "tab:red"),
+        ("hand-written, model step", "tab:olive"),
+        ("hand-written, blocked", "tab:olive"),
+        ("scan: hand", "tab:green"),
+        ("hand", "tab:green"),
+        ("nnx", "tab:orange"),
+        ("jax.jit", "black"),
+    ):
+        if name.startswith(prefix):
+            return c
+    return "tab:gray"
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, bool) or x is None:
+        return "" if x is None else str(x)
+    if isinstance(x, int):
+        return f"{x:,}" if abs(x) >= 10_000 else str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return ""
+        if x == 0:
+            return "0"
+        if abs(x) >= 1e5 or abs(x) < 1e-3:
+            return f"{x:.3e}"
+        if abs(x) >= 100:
+            return f"{x:.0f}"
+        return f"{x:.3g}" if abs(x) < 1 else f"{x:.3f}".rstrip("0").rstrip(".")
+    return str(x)
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def headline(results: dict) -> list[dict]:
+    """The few ratios worth a glance, each with its goal where the brief set one."""
+    rows = []
+
+    def add(scenario, measure, value, goal=""):
+        rows.append({"scenario": scenario, "measure": measure, "value": value, "goal": goal})
+
+    if "s1" in results:
+        m = results["s1"]["metrics"]
+        for v in ("memox Exact", "memox Manual", "memox.jit step"):
+            add("1 frozen eigh", f"FLOPs saved / bound, {v}", m["saved_over_bound"][v], ">= 0.95")
+        for v in ("memox Exact", "memox Manual", "memox.jit step", "hand-written, model step"):
+            add(
+                "1 frozen eigh",
+                f"loop wall / hand-written, {v}",
+                m["loop_wall_over_hand"][v],
+                "<= 1.05",
+            )
+        add(
+            "1 frozen eigh",
+            "loop wall memox Manual / hand-written, model step",
+            m["loop_wall_over_hand"]["memox Manual"]
+            / m["loop_wall_over_hand"]["hand-written, model step"],
+        )
+        add(
+            "1 frozen eigh",
+            "FLOP-count cross-check: naive loop / plain eigh [GFLOP/s]",
+            f"{m['naive_loop_gflops']:.1f} / {m['plain_eigh_gflops']:.1f}",
+        )
+        add(
+            "1 frozen eigh",
+            "loop wall naive / memox Exact",
+            m["loop_wall_over_hand"]["naive"] / m["loop_wall_over_hand"]["memox Exact"],
+        )
+        scan = m["scan_loop_s"]
+        add(
+            "1 frozen eigh",
+            "one-scan loop: naive (XLA hoists) / hand-written",
+            scan["scan: naive"] / scan["scan: hand-written"],
+        )
+        add(
+            "1 frozen eigh",
+            "one-scan loop: memox Exact / hand-written",
+            scan["scan: memox Exact"] / scan["scan: hand-written"],
+        )
+    if "s2" in results:
+        m = results["s2"]["metrics"]
+        for v in ("memox.jit", "filter_jit + memox.call", "recompute"):
+            add("2 GP serving", f"call / hand-written, {v}", m["call_over_hand"][v])
+        add(
+            "2 GP serving",
+            "FLOP-count cross-check: recompute / plain Cholesky [GFLOP/s]",
+            f"{m['recompute_gflops']:.1f} / {m['plain_cholesky_gflops']:.1f}",
+        )
+    if "s3" in results:
+        m = results["s3"]["metrics"]
+        f = m["factorisations"]
+        add(
+            "3 stiff ODE",
+            "LU factorisations memox / hand-written / full Newton",
+            f"{f['memox']} / {f['hand-written']} / {f['refactorise always']}",
+        )
+        add("3 stiff ODE", "run memox / hand-written", m["run_over_hand"]["memox"])
+    if "s4" in results:
+        for r in results["s4"]["rows"]:
+            if r["variant"].startswith("memox"):
+                k = r["variant"].split("k=")[1]
+                add(
+                    "4 change every k",
+                    f"k={k}: factorisations (ceil(T/k))",
+                    f"{r['factorisations']} ({r['ceil(T/k)']})",
+                )
+                add("4 change every k", f"k={k}: FLOPs memox / hand-written", r["FLOPs / hand"])
+                add("4 change every k", f"k={k}: wall memox / hand-written", r["wall / hand"])
+                add("4 change every k", f"k={k}: wall memox / naive", r["wall / naive"])
+    if "s5" in results:
+        for model, d in results["s5"]["metrics"]["median_call_us"].items():
+            for v in (
+                "memox.jit",
+                "hand-written",
+                "filter_jit + memox.call",
+                "nnx.jit graph mode, nnx.Cache",
+                "nnx.jit tree mode, nnx.Cache",
+            ):
+                add("5 dispatch", f"{model}: {v} [us/call]", d[v])
+    if "s6" in results and results["s6"]:
+        for pair, r in results["s6"]["metrics"]["ratios"].items():
+            add("6 compile", f"first call {pair}", r["first call"])
+    if "s7" in results:
+        for slot, b in results["s7"]["metrics"]["slot_overhead_bytes"].items():
+            if slot.startswith(("s1 Exact", "s3 NewtonMatrix.lu", "Table")):
+                add("7 memory", f"slot overhead [B], {slot}", b)
+    return rows
+
+
+def markdown(record: dict, plots: list[str]) -> str:
+    env = record["environment"]
+    out = [
+        f"# memox benchmarks: {record['date']} on {env['device']}",
+        "",
+        f"Command: `{env['command']}` ({record['mode']} mode, {record['runtime_s']:.0f} s). "
+        f"JAX {env['versions']['jax']}, jaxlib {env['versions']['jaxlib']}, Equinox "
+        f"{env['versions']['equinox']}, memox {env['versions']['memox']} "
+        f"(commit {env['memox_commit']}), {env['cpu_count']} CPU cores, load average "
+        f"{env['loadavg_start']} at start, OPENBLAS_NUM_THREADS={env['OPENBLAS_NUM_THREADS']}.",
+        "",
+        "Every ratio is measured side by side in this run (variants interleaved, medians).",
+        "",
+        "## Headline",
+        "",
+        table(record["headline"]),
+        "",
+    ]
+    for key, res in record["scenarios"].items():
+        if not res:
+            continue
+        out += [f"## {key}: {res['title']}", "", f"Sizes: `{json.dumps(res['sizes'])}`", ""]
+        out += [table(res["rows"]), ""]
+        for name, rows in res.get("tables", {}).items():
+            out += [f"**{name}**", "", table(rows), ""]
+        if res.get("compile") and key != "s6":
+            out += ["Compile rows are collected in s6.", ""]
+        out += [f"- {note}" for note in res.get("notes", [])]
+        out += [""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def _cumulative(ax, series: dict, title: str) -> None:
+    for name, flops in series.items():
+        c = np.cumsum(flops)
+        dashed = any(w in name for w in ("Manual", "model step", "blocked", "jit step"))
+        ax.plot(
+            np.arange(1, len(c) + 1),
+            c,
+            label=name,
+            color=colour(name),
+            linestyle="--" if dashed else "-",
+            lw=1.6,
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("cumulative FLOPs executed")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _excess(ax, series: dict, base: str, title: str) -> None:
+    """Cumulative FLOPs beyond the hand-written optimum (log scale)."""
+    ref = np.cumsum(series[base])
+    for name, flops in series.items():
+        if name == base:
+            continue
+        extra = np.cumsum(flops) - ref
+        if np.all(extra <= 0):
+            continue
+        ax.plot(
+            np.arange(1, len(extra) + 1),
+            np.where(extra > 0, extra, np.nan),
+            label=name,
+            color=colour(name),
+            lw=1.6,
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"cumulative FLOPs beyond '{base}'")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot(record: dict, stem: Path) -> list[str]:
+    paths = []
+    sc = record["scenarios"]
+    if sc.get("s1"):
+        s, m = sc["s1"]["sizes"], sc["s1"]["metrics"]
+        series = sc["s1"]["series"]["step_flops"]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        saved = ", ".join(
+            f"{k.replace('memox ', '')} {v:.4f}"
+            for k, v in m["saved_over_bound"].items()
+            if k.startswith("memox")
+        )
+        _cumulative(
+            a,
+            series,
+            f"s1: frozen eigh, n={s['n']}, {s['steps']} adamw steps\nFLOPs saved / bound: {saved}",
+        )
+        _excess(b, series, "hand-written", "s1: FLOPs beyond the hand-written optimum")
+        paths.append(_save(fig, stem, "s1-cumulative-flops"))
+
+        fig, ax = plt.subplots(figsize=(8, 4.8))
+        for name, ts in sc["s1"]["series"]["step_seconds"].items():
+            ax.plot(
+                np.arange(1, len(ts) + 1),
+                1e3 * np.asarray(ts),
+                label=name,
+                color=colour(name),
+                lw=1,
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("wall time of the step [ms]")
+        ax.set_title(
+            "s1: wall time per step (step 1 computes the eigenbasis in every variant)", fontsize=10
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, stem, "s1-step-time"))
+    if sc.get("s4"):
+        series = sc["s4"]["series"]["step_flops"]
+        fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4.2))
+        for ax, (k, d) in zip(np.atleast_1d(axes), series.items()):
+            _cumulative(ax, d, f"s4: dependency changes every {k.split('=')[1]} steps")
+        paths.append(_save(fig, stem, "s4-cumulative-flops"))
+    panels = _wall_panels(sc)
+    if panels:
+        cols = 3
+        rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(16, 4.6 * rows))
+        axes = np.atleast_1d(axes).ravel()
+        for ax, (title, unit, values) in zip(axes, panels):
+            names = list(values)
+            ax.barh(names, [values[n] for n in names], color=[colour(n) for n in names])
+            spread = max(values.values()) / max(min(values.values()), 1e-12)
+            if spread > 20:  # log scale only where it is needed to see the small bars
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel(unit)
+            ax.set_title(title, fontsize=10)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.invert_yaxis()
+            ax.grid(True, axis="x", which="both", alpha=0.3)
+            for i, n in enumerate(names):
+                ax.text(values[n], i, f" {values[n]:.3g}", va="center", fontsize=7)
+        for ax in axes[len(panels) :]:
+            ax.axis("off")
+        fig.suptitle(
+            "Wall time per step or call (medians; log scale where the spread is wide; red "
+            "recomputes, blue/purple memox, green hand-written)"
+        )
+        paths.append(_save(fig, stem, "wall-per-step"))
+    return paths
+
+
+def _wall_panels(sc: dict) -> list[tuple[str, str, dict]]:
+    panels = []
+    if sc.get("s1"):
+        rows = sc["s1"]["rows"]
+        panels.append(
+            ("s1 training step", "ms", {r["variant"]: r["median step [ms]"] for r in rows})
+        )
+    if sc.get("s2"):
+        panels.append(
+            (
+                "s2 GP predict call",
+                "ms",
+                {r["variant"]: r["median call [ms]"] for r in sc["s2"]["rows"]},
+            )
+        )
+    if sc.get("s3"):
+        panels.append(
+            (
+                "s3 ODE run (whole scan)",
+                "ms",
+                {r["variant"]: r["median run [ms]"] for r in sc["s3"]["rows"]},
+            )
+        )
+    if sc.get("s4"):
+        panels.append(
+            ("s4 scan step", "ms", {r["variant"]: r["per step [ms]"] for r in sc["s4"]["rows"]})
+        )
+    if sc.get("s5"):
+        panels.append(
+            (
+                "s5 dispatch",
+                "us per call",
+                {
+                    f"{r['variant']} [{r['model'].split(' (')[0]}]": r["median call [us]"]
+                    for r in sc["s5"]["rows"]
+                },
+            )
+        )
+    return panels
+
+
+def _save(fig, stem: Path, name: str) -> str:
+    fig.tight_layout()
+    path = f"{stem}-{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(record: dict, out_dir: Path, stem_name: str) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / stem_name
+    plots = plot(record, stem)
+    record["plots"] = [os.path.basename(p) for p in plots]
+    with open(f"{stem}.json", "w") as f:
+        json.dump(record, f, indent=1, default=_default)
+    with open(f"{stem}.md", "w") as f:
+        f.write(markdown(record, plots))
+    return [f"{stem}.json", f"{stem}.md", *plots]
+
+
+def _default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)

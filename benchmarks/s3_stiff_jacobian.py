@@ -1,0 +1,317 @@
+"""Scenario 3: Jacobian and LU reuse in a stiff implicit integrator, inside one scan.
+
+The integrator of `examples/stiff_ode_jacobian_reuse.py`: the Robertson problem by
+variable-step BDF2 on a fixed log-spaced grid, one `lax.scan` over the steps, Newton's
+method on `z - gamma f(z) = a` with the LU of `I - gamma J`. Float64 (inside
+`jax.enable_x64`). Variants:
+
+- memox: CVODE's reuse policy in memox: `J` is `Manual(max_age=50)`, refreshed by
+  `memox.invalidate` when Newton fails with a stale `J` (then the step is retried); the
+  LU is keyed by `J` and `Drift(rtol=0.3, max_age=20)` on `gamma`;
+- refactorise always: full Newton, a fresh `J` and LU at every Newton iterate;
+- refactorise every step: a fresh `J` and LU once per step (no reuse across steps);
+- hand-written: the same CVODE policy written by hand without memox: `J`, the LU, the
+  `gamma` it was factorised at and the reuse counters are carried in the scan state,
+  and `lax.cond` recomputes them.
+
+memox and hand-written make the same decisions, so their counts must agree exactly.
+FLOPs: J evaluations x FLOPs of one, factorisations x FLOPs of one, Newton iterations x
+FLOPs of one iteration (all from jaxprs; memox's counts from `memox.stats`).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.scipy.linalg import lu_factor, lu_solve
+from jaxtyping import Array, Float
+
+import memox
+from memox import Memo
+from memox.policies import Drift, Manual
+
+from ._common import (
+    TraceCounter,
+    compile_row,
+    first_call,
+    flops_of,
+    interleaved,
+    median,
+    progress,
+    rate,
+)
+
+
+SIZES = {
+    "full": dict(steps_per_decade=75, rounds=15),
+    "quick": dict(steps_per_decade=25, rounds=5),
+}
+MSBJ, MSBP, DGMAX = 50, 20, 0.3  # CVODE's reuse limits (reuses of J, of LU; gamma drift)
+MAX_ITERS = 3
+NEWTON_RTOL, NEWTON_ATOL = 1e-5, 1e-11
+Y0 = np.array([1.0, 0.0, 0.0])
+HAND = "hand-written"
+
+
+def robertson(y: Float[Array, " 3"]) -> Float[Array, " 3"]:
+    y1, y2, y3 = y
+    return jnp.stack(
+        [-0.04 * y1 + 1e4 * y2 * y3, 0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2, 3e7 * y2**2]
+    )
+
+
+def jacobian(y: Float[Array, " 3"]) -> Float[Array, "3 3"]:
+    return jax.jacfwd(robertson)(y)
+
+
+def factorise(jac: Float[Array, "3 3"], gamma: Float[Array, ""]) -> tuple[Array, Array]:
+    return lu_factor(jnp.eye(3) - gamma * jac)
+
+
+class NewtonMatrix(eqx.Module):
+    y: Float[Array, " 3"]
+    gamma: Float[Array, ""]
+    jac_cache: Memo[Float[Array, "3 3"]] = Memo()
+    lu_cache: Memo[tuple[Array, Array]] = Memo()
+
+    @memox.cached("jac_cache", policy=Manual(max_age=MSBJ))
+    def jac(self) -> Float[Array, "3 3"]:
+        return jacobian(self.y)
+
+    @memox.cached("lu_cache", policy=Drift(rtol=DGMAX, max_age=MSBP))
+    def lu(self, jac: Float[Array, "3 3"]) -> tuple[Array, Array]:
+        return factorise(jac, self.gamma)
+
+
+def newton_lu(m: NewtonMatrix) -> tuple[Array, Array]:
+    return m.lu(m.jac())
+
+
+def newton_iteration(z, a, gamma, lu):
+    """One Newton update and whether it converged."""
+    dz = lu_solve(lu, a + gamma * robertson(z) - z)
+    weights = NEWTON_RTOL * jnp.abs(z) + NEWTON_ATOL
+    return z + dz, jnp.sqrt(jnp.mean((dz / weights) ** 2)) <= 1.0
+
+
+def newton(z, a, gamma, lu_at):
+    """Solve `z - gamma f(z) = a` from `z`; `lu_at(z)` is the LU used at iterate `z`."""
+
+    def body(state):
+        z, k, _ = state
+        z, ok = newton_iteration(z, a, gamma, lu_at(z))
+        return z, k + 1, ok
+
+    cond = lambda state: ~state[2] & (state[1] < MAX_ITERS)  # noqa: E731
+    return lax.while_loop(cond, body, (z, 0, jnp.asarray(False)))
+
+
+# Each step function: (state, y, a, gamma, z0) -> (state, z, newton iterations, converged).
+
+
+def memox_step(model, y, a, gamma, z0):
+    model = eqx.tree_at(lambda m: (m.y, m.gamma), model, (y, gamma))
+    lu, model = memox.call(model, newton_lu)
+    z, iters, ok = newton(z0, a, gamma, lambda _: lu)
+
+    def retry(model):
+        model = memox.invalidate(model, NewtonMatrix.jac)
+        lu, model = memox.call(model, newton_lu)
+        z, more, ok = newton(z0, a, gamma, lambda _: lu)
+        return model, z, iters + more, ok
+
+    return lax.cond(ok, lambda model: (model, z, iters, ok), retry, model)
+
+
+def every_step(count, y, a, gamma, z0):
+    lu = factorise(jacobian(y), gamma)
+    z, iters, ok = newton(z0, a, gamma, lambda _: lu)
+    return count + 1, z, iters, ok  # one J and one LU per step
+
+
+def full_newton_step(count, y, a, gamma, z0):
+    z, iters, ok = newton(z0, a, gamma, lambda z: factorise(jacobian(z), gamma))
+    return count + iters, z, iters, ok  # one J and one LU per iteration
+
+
+class Reuse(eqx.Module):
+    """The hand-written CVODE state: J, its LU, and when and how they were made."""
+
+    jac: Array
+    lu: tuple[Array, Array]
+    jac_age: Array  # reuses of J since it was evaluated
+    lu_age: Array  # reuses of the LU since it was factorised
+    lu_gamma: Array  # gamma at the factorisation
+    lu_jac: Array  # the J it was factorised with
+    valid: Array  # whether J and the LU exist
+    jac_evals: Array
+    lus: Array
+
+    @staticmethod
+    def empty() -> Reuse:
+        zero = jnp.zeros((), jnp.int32)
+        eye = jnp.eye(3)
+        return Reuse(
+            eye, lu_factor(eye), zero, zero, jnp.zeros(()), eye, jnp.asarray(False), zero, zero
+        )
+
+
+def hand_newton_lu(s: Reuse, y, gamma, fresh_jac) -> Reuse:
+    """CVODE's decisions, as memox's policies make them: J is reused up to MSBJ times
+    unless `fresh_jac`; the LU is reused up to MSBP times while J is the same and gamma
+    is within DGMAX of the factorisation's."""
+
+    def reuse_jac(s):
+        return eqx.tree_at(lambda s: s.jac_age, s, s.jac_age + 1)
+
+    def new_jac(s):
+        fields = lambda s: (s.jac, s.jac_age, s.jac_evals)  # noqa: E731
+        return eqx.tree_at(fields, s, (jacobian(y), 0 * s.jac_age, s.jac_evals + 1))
+
+    def reuse_lu(s):
+        return eqx.tree_at(lambda s: s.lu_age, s, s.lu_age + 1)
+
+    def new_lu(s):
+        fields = lambda s: (s.lu, s.lu_age, s.lu_gamma, s.lu_jac, s.lus, s.valid)  # noqa: E731
+        lu = factorise(s.jac, gamma)
+        return eqx.tree_at(fields, s, (lu, 0 * s.lu_age, gamma, s.jac, s.lus + 1, True | s.valid))
+
+    s = lax.cond(s.valid & ~fresh_jac & (s.jac_age < MSBJ), reuse_jac, new_jac, s)
+    lu_hit = (
+        s.valid
+        & jnp.all(s.jac == s.lu_jac)
+        & (jnp.abs(gamma - s.lu_gamma) <= DGMAX * jnp.abs(s.lu_gamma))
+        & (s.lu_age < MSBP)
+    )
+    return lax.cond(lu_hit, reuse_lu, new_lu, s)
+
+
+def hand_step(s: Reuse, y, a, gamma, z0):
+    s = hand_newton_lu(s, y, gamma, jnp.asarray(False))
+    z, iters, ok = newton(z0, a, gamma, lambda _: s.lu)
+
+    def retry(s):
+        s = hand_newton_lu(s, y, gamma, jnp.asarray(True))
+        z, more, ok = newton(z0, a, gamma, lambda _: s.lu)
+        return s, z, iters + more, ok
+
+    return lax.cond(ok, lambda s: (s, z, iters, ok), retry, s)
+
+
+def make_integrate(step, grid, traces: TraceCounter, name: str):
+    @eqx.filter_jit
+    def integrate(state):
+        traces.tick(name)
+
+        def body(carry, t_next):
+            state, y, y_prev, t, h_prev = carry
+            h = t_next - t
+            w = h / h_prev  # 0 on the first step: implicit Euler
+            a = ((1 + w) ** 2 * y - w**2 * y_prev) / (1 + 2 * w)
+            gamma = h * (1 + w) / (1 + 2 * w)
+            state, z, iters, ok = step(state, y, a, gamma, y + w * (y - y_prev))
+            return (state, z, y, t_next, h), (z, iters, ok)
+
+        carry = (state, jnp.asarray(Y0), jnp.asarray(Y0), grid[0], jnp.inf)
+        (state, *_), (ys, iters, ok) = lax.scan(body, carry, jnp.asarray(grid[1:]))
+        return state, ys, iters, ok
+
+    return integrate
+
+
+def run(size: dict) -> dict:
+    with jax.enable_x64(True):
+        return _run(size)
+
+
+def _run(size: dict) -> dict:
+    spd = size["steps_per_decade"]
+    grid = np.concatenate([[0.0], np.logspace(-6, 2, 8 * spd + 1)])
+    steps = len(grid) - 1
+    progress(f"s3 stiff Robertson, BDF2: {steps} steps in one lax.scan, {size['rounds']} rounds")
+    traces = TraceCounter()
+    model = memox.init(NewtonMatrix(jnp.asarray(Y0), jnp.asarray(0.0)), newton_lu)
+    variants = {
+        "memox": (memox_step, model),
+        "refactorise always": (full_newton_step, jnp.zeros((), jnp.int32)),
+        "refactorise every step": (every_step, jnp.zeros((), jnp.int32)),
+        HAND: (hand_step, Reuse.empty()),
+    }
+    fns, integrators = {}, {}
+    for name, (step, state) in variants.items():
+        integrators[name] = make_integrate(step, grid, traces, name)
+        fns[name] = lambda f=integrators[name], s=state: f(s)
+
+    compile_rows, outs = [], {}
+    for name, fn in fns.items():
+        outs[name], probe = first_call(fn)
+        progress(f"  s3 compiled {name}: first call {probe['first_call_s']:.2f} s")
+        compile_rows.append((name, probe))
+    times = interleaved(fns, size["rounds"])
+    med = {name: median(ts) for name, ts in times.items()}
+    for i, (name, probe) in enumerate(compile_rows):
+        compile_rows[i] = compile_row(f"s3 {name}", probe, med[name], traces[name])
+    assert all(traces[name] == 1 for name in fns), traces.counts
+
+    # Counts: memox from its stats, full Newton from its iterations, hand from its state.
+    st = memox.stats(outs["memox"][0])
+    counts = {
+        "memox": (int(st["jac_cache"].misses), int(st["lu_cache"].misses)),
+        "refactorise always": (int(outs["refactorise always"][0]),) * 2,
+        "refactorise every step": (int(outs["refactorise every step"][0]),) * 2,
+        HAND: (int(outs[HAND][0].jac_evals), int(outs[HAND][0].lus)),
+    }
+    iters = {name: int(np.sum(outs[name][2])) for name in fns}
+    failed = {name: int(np.sum(~np.asarray(outs[name][3]))) for name in fns}
+    ys = {name: np.asarray(outs[name][1]) for name in fns}
+    assert counts["memox"] == counts[HAND], counts  # the same decisions
+    assert np.array_equal(ys["memox"], ys[HAND])
+
+    y, gamma = jnp.asarray(Y0), jnp.asarray(1e-3)
+    f_jac = flops_of(jacobian, y)
+    f_lu = flops_of(factorise, jacobian(y), gamma)
+    assert (f_jac, f_lu) == (st["jac_cache"].flops, st["lu_cache"].flops)
+    f_iter = flops_of(newton_iteration, y, y, gamma, factorise(jacobian(y), gamma))
+    flops = {n_: c[0] * f_jac + c[1] * f_lu + iters[n_] * f_iter for n_, c in counts.items()}
+    rows = [
+        {
+            "variant": name,
+            "steps": steps,
+            "Newton iterations": iters[name],
+            "J evals": counts[name][0],
+            "LU factorisations": counts[name][1],
+            "failed steps": failed[name],
+            "FLOPs": flops[name],
+            "median run [ms]": 1e3 * med[name],
+            "run / hand": med[name] / med[HAND],
+            "MFLOP/s": rate(flops[name], med[name]) / 1e6,
+        }
+        for name in fns
+    ]
+    scale = np.abs(ys["memox"]).clip(1e-12)
+    max_dev = float(np.max(np.abs(ys["refactorise always"] - ys["memox"]) / scale))
+    return {
+        "id": "s3",
+        "title": "Stiff ODE (Robertson, BDF2 in one lax.scan): Jacobian and LU reuse",
+        "sizes": {**size, "steps": steps, "msbj": MSBJ, "msbp": MSBP, "dgmax": DGMAX},
+        "rows": rows,
+        "metrics": {
+            "factorisations": {n_: c[1] for n_, c in counts.items()},
+            "jac_evals": {n_: c[0] for n_, c in counts.items()},
+            "run_over_hand": {n_: med[n_] / med[HAND] for n_ in fns},
+            "flops_jac": f_jac,
+            "flops_lu": f_lu,
+            "flops_newton_iteration": f_iter,
+            "max_rel_dev_full_newton_vs_reuse": max_dev,
+        },
+        "notes": [
+            "memox and the hand-written CVODE policy made identical decisions (same J "
+            "evaluations, factorisations and trajectory, bit for bit).",
+            "The system is 3x3: wall time is dominated by per-step control flow (scan, "
+            "while, cond), not by the factorisations; the FLOP columns show the reuse.",
+        ],
+        "compile": compile_rows,
+    }
