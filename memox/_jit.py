@@ -30,7 +30,7 @@ import numpy as np
 
 from ._call import Fn, allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array, known
-from ._slot import is_memo, replace_slots
+from ._slot import Memo, is_memo, replace_slots
 
 
 M = TypeVar("M")
@@ -42,6 +42,17 @@ def _split(module: Any) -> tuple[Any, Any]:
 
 def _arrays(tree: Any) -> list[Any]:
     return [x for x in jtu.tree_leaves(tree) if eqx.is_array(x)]
+
+
+def _only(leaves: list[Any], keep: list[int]) -> list[Any]:
+    kept = set(keep)
+    return [x if i in kept else None for i, x in enumerate(leaves)]
+
+
+def _ready(slot: Memo) -> bool:
+    """Whether `slot` needs neither allocation nor revival (the common case, checked fast:
+    an empty slot may not need allocation, and is left to the slow path to decide)."""
+    return slot.allocated and not (is_concrete_array(slot.value) and slot.value.is_deleted())
 
 
 def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
@@ -109,11 +120,21 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
 
     @functools.wraps(fn)
     def wrapped(module: M, /, *args: Any, **kwargs: Any) -> tuple[Any, M]:
-        check_module("jit", module)
-        module = allocate_plain_slots(revive(module))
-        slots, rest = _split(module)
-        prehash = fingerprints(_arrays((rest, args, kwargs)))
-        result, new_slots = compiled((rest, args, kwargs, prehash), slots)
-        return result, eqx.combine(new_slots, rest, is_leaf=is_memo)
+        leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
+        memos = [i for i, x in enumerate(leaves) if is_memo(x)]
+        if not all(_ready(leaves[i]) for i in memos):  # rare: allocate, or revive
+            check_module("jit", module)
+            module = allocate_plain_slots(revive(module))
+            leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
+        slots = [leaves[i] for i in memos]
+        rest = list(leaves)
+        for i in memos:
+            rest[i] = None
+        arrays = [x for x in rest if eqx.is_array(x)] + _arrays((args, kwargs))
+        inputs = (jtu.tree_unflatten(treedef, rest), args, kwargs, fingerprints(arrays))
+        result, new_slots = compiled(inputs, jtu.tree_unflatten(treedef, _only(leaves, memos)))
+        for i, slot in zip(memos, jtu.tree_leaves(new_slots, is_leaf=is_memo)):
+            rest[i] = slot
+        return result, jtu.tree_unflatten(treedef, rest)
 
     return wrapped
