@@ -126,7 +126,7 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
             check_module("jit", module)
             module = allocate_plain_slots(revive(module))
             leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
-        slots = [leaves[i] for i in memos]
+            memos = [i for i, x in enumerate(leaves) if is_memo(x)]
         rest = list(leaves)
         for i in memos:
             rest[i] = None
