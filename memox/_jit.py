@@ -122,8 +122,9 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
     def wrapped(module: M, /, *args: Any, **kwargs: Any) -> tuple[Any, M]:
         leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
         memos = [i for i, x in enumerate(leaves) if is_memo(x)]
-        if not all(_ready(leaves[i]) for i in memos):  # rare: allocate, or revive
+        if jtu.treedef_is_leaf(treedef):
             check_module("jit", module)
+        if not all(_ready(leaves[i]) for i in memos):  # rare: allocate, or revive
             module = allocate_plain_slots(revive(module))
             leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
             memos = [i for i, x in enumerate(leaves) if is_memo(x)]
