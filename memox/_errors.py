@@ -1,8 +1,8 @@
 """Every message memox raises: what was wrong, what was received, and what to do."""
 
 SLOT_NAME_NOT_STR = (
-    "`memox.cached` takes the name of a `memox.Memo` field as a string, e.g. "
-    '`@memox.cached("b_cache")`; got {slot!r}.'
+    "`memox.cached` takes the name of a `memox.Memo` field as a string; got {slot!r}. "
+    'Pass the field\'s name, e.g. `@memox.cached("b_cache")`.'
 )
 
 UNKNOWN_SLOT = (
@@ -77,8 +77,8 @@ BAD_SIZE = (
 )
 
 NOT_A_POLICY = (
-    "`memox.cached(..., policy=...)` takes a `memox.policies` policy, e.g. "
-    "`memox.policies.Drift(rtol=0.1)`; got {got}."
+    "`memox.cached(..., policy=...)` got {got}. Pass a `memox.policies` policy, e.g. "
+    "`policy=memox.policies.Drift(rtol=0.1)`."
 )
 
 NOT_CACHED = (

@@ -199,3 +199,28 @@ class Keys(eqx.Module):
 def test_unsupported_value_dtype():
     with pytest.raises(TypeError, match=r"`Keys.key` returned a leaf of dtype key<fry>.*"):
         memox.call(Keys(jnp.ones(())), Keys.key)
+
+
+def test_every_message_says_what_to_do():
+    # Each message names the API in backticks and gives a fix (an instruction with code).
+    from memox import _errors
+
+    verbs = (
+        "Declare",
+        "Give",
+        "Pass",
+        "Allocate",
+        "run ",
+        "Run ",
+        "Return",
+        "Use",
+        "Keep",
+        "Decorate",
+        "Either",
+        "make the step",
+    )
+    messages = {k: v for k, v in vars(_errors).items() if k.isupper()}
+    assert len(messages) >= 15
+    for name, text in messages.items():
+        assert "`" in text, name
+        assert any(v in text for v in verbs), name

@@ -151,7 +151,7 @@ def test_policy_errors():
         Exact(max_age=0)
     with pytest.raises(ValueError, match=r"takes non-negative tolerances; got rtol=-1.0"):
         Drift(rtol=-1.0)
-    with pytest.raises(TypeError, match=r"takes a `memox.policies` policy, e.g."):
+    with pytest.raises(TypeError, match=r"Pass a `memox.policies` policy, e.g."):
         memox.cached("x", policy="exact")
     with pytest.raises(TypeError, match=r"is not a method decorated with `memox.cached`"):
         memox.invalidate(_model(Exact(), Counter()), len)
