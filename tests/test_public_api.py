@@ -1,5 +1,6 @@
 """The public names, and every docstring example runs."""
 
+import pathlib
 import re
 import textwrap
 
@@ -38,3 +39,14 @@ def test_docstring_examples_run_in_order():
         for code in _examples(getattr(memox, name)):
             exec(compile(code, f"<memox.{name} docstring>", "exec"), namespace)
     assert memox.stats(namespace["foo"])["b_cache"].misses >= 1
+
+
+def test_readme_examples_run():
+    readme = pathlib.Path(__file__).parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    assert len(blocks) >= 2
+    namespace = {}
+    for code in blocks:
+        exec(compile(code, "<README.md>", "exec"), namespace)
+    # Two hits in the quick example, then ten in the scan: `b` computed once in all.
+    assert memox.stats(namespace["foo"])["b_cache"] == memox.SlotStats(hits=12, misses=1)
