@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Int, PyTree, UInt8, UInt32
 
 from . import _errors
@@ -205,15 +206,38 @@ def stored(
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
     new = dataclasses.replace(
         slot,
-        value=lax.dynamic_update_index_in_dim(slot.value, encode(value, spec), index, 0),
+        value=_put(slot.value, encode(value, spec), index),
         valid=slot.valid.at[index].set(True),
         key=slot.key.at[index].set(key),
         age=slot.age.at[index].set(0),
         used=slot.used.at[index].set(_clock(slot)),
-        snapshot=lax.dynamic_update_index_in_dim(slot.snapshot, snapshot, index, 0),
+        snapshot=_put(slot.snapshot, snapshot, index),
         misses=slot.misses + 1,
     )
     return new, index
+
+
+def _explicit_mesh(x: Array) -> Any:
+    """The mesh of `x`'s sharding type if it has `Explicit` axes, else `None`."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return mesh
+
+
+def _put(table: Array, update: Array, index: Array) -> Array:
+    """`table` with entry `index` set to `update`. Where a mesh's axes are `Explicit`,
+    sharding is part of the type and both must agree: the table takes the update's
+    sharding (entries sharded like the value), or else the update the table's. Elsewhere
+    XLA propagates shardings and nothing is resharded."""
+    if (mesh := _explicit_mesh(update)) is not None:
+        want = NamedSharding(mesh, PartitionSpec(None, *jax.typeof(update).sharding.spec))
+        if jax.typeof(table).sharding != want:
+            table = jax.sharding.reshard(table, want)
+    elif (mesh := _explicit_mesh(table)) is not None:
+        entry = PartitionSpec(*jax.typeof(table).sharding.spec[1:])
+        update = jax.sharding.reshard(update, NamedSharding(mesh, entry))
+    return lax.dynamic_update_index_in_dim(table, update, index, 0)
 
 
 def invalidated(slot: Memo, when: Array | bool = True) -> Memo:

@@ -196,13 +196,8 @@ def test_collectives_of_the_hit_path(child):
     assert "(u32[], u32[]) all-reduce(" in part["hit_lines"][0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on a mesh with Explicit axes (jax.make_mesh's default), `memox.call` under "
-    "`jax.jit` fails: the K-entry table allocated by `memox.init` is replicated and "
-    "`dynamic_update_slice` refuses the row-sharded value (ShardingTypeError). Worked "
-    "before the K-entry tables (commit 1747ed1).",
-)
+# Regression guard: on a mesh with Explicit axes, the table allocated off the mesh must be
+# resharded like the value before an entry is written (a ShardingTypeError before).
 def test_explicit_mesh(child):
     part = _ok(child["jit_explicit"])
     assert part["y_err"] <= TOL and part["counts"] == [3, 1]
