@@ -404,6 +404,7 @@ def _memo(call: _Call) -> Any:
             snapshots = jax.vmap(lambda b: unpack(b, the_plan.deps))(slot.snapshot)
         reusable = fresh(policy, slot.age, deps, snapshots)
         hit, index = lookup(slot, key, reusable)
+        slot, sub = _jax_internals.varying_like((slot, sub), (deps, others, arg_arrays, key))
         operands = (index, deps, others, arg_arrays, slot, sub, key)
         if isinstance(hit, jax.core.Tracer):
             slot, sub, index = lax.cond(hit, hit_branch, miss_branch, *operands)

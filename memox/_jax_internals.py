@@ -65,3 +65,25 @@ def lowered(value: Any) -> Any:
     only passed through (unbatched under `vmap`, zero tangent under `jvp`) is replaced by
     the value it wraps."""
     return _core.full_lower(value) if isinstance(value, jax.core.Tracer) else value
+
+
+def _varying(x: Any) -> frozenset:
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def varying_like(tree: Any, like: Any) -> Any:
+    """`tree` cast to vary over every `shard_map` axis any leaf of `like` varies over.
+
+    Inside `jax.shard_map` (with `check_vma`), a value's type records the mesh axes it
+    varies over, and `lax.cond` needs both branches to agree: a slot passed through
+    unchanged on a hit must vary like the one the miss writes from varying values."""
+    axes = frozenset().union(*map(_varying, jax.tree.leaves(like)))
+    if not axes:
+        return tree
+
+    def cast(x: Any) -> Any:
+        missing = tuple(sorted(axes - _varying(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)

@@ -203,12 +203,9 @@ def test_explicit_mesh(child):
     assert part["y_err"] <= TOL and part["counts"] == [3, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`memox.call` inside `jax.shard_map` (default check_vma=True) fails: the hit "
-    "branch returns the slot as unvarying and the miss branch as varying over the mesh "
-    "axis, so `lax.cond` refuses the branch types.",
-)
+# Regression guard: inside `jax.shard_map` with `check_vma`, a hit passes the slot through
+# unvarying while a miss writes varying values; the slot is cast to vary first (a
+# `lax.cond` type error before).
 def test_shard_map_per_shard_module(child):
     part = _ok(child["shard_map"])
     assert part["y_err"] <= TOL and part["counts"] == [[1, 1]] * 8
