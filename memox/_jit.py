@@ -98,8 +98,15 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
         prehashed = {id(x): (fingerprints[i], valid[i]) for i, x in enumerate(arrays)}
         result, module, frame = run(module, fn, args, kwargs, prehashed=prehashed)
         dependencies.update(i for i, x in enumerate(arrays) if id(x) in frame.fingerprinted)
-        # Every slot goes out (unchanged ones alias their donated input: no copy).
-        new_slots, _ = _split(replace_slots(module, changed_slots(module, frame)))
+        changed = changed_slots(module, frame)
+        new_slots, _ = _split(replace_slots(module, changed))
+        if not donate:
+            # Only changed slots go out: an unchanged one stays the caller's own (no copy).
+            # With donation every slot goes out, unchanged ones aliasing their input.
+            fresh = {id(s) for s in changed.values()}
+            new_slots = jtu.tree_map(
+                lambda s: s if id(s) in fresh else None, new_slots, is_leaf=is_memo
+            )
         return result, new_slots
 
     compiled = eqx.filter_jit(slots_only, donate="all-except-first" if donate else "none")
@@ -134,8 +141,9 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
         arrays = [x for x in rest if eqx.is_array(x)] + _arrays((args, kwargs))
         inputs = (jtu.tree_unflatten(treedef, rest), args, kwargs, fingerprints(arrays))
         result, new_slots = compiled(inputs, jtu.tree_unflatten(treedef, _only(leaves, memos)))
-        for i, slot in zip(memos, jtu.tree_leaves(new_slots, is_leaf=is_memo)):
-            rest[i] = slot
+        out = treedef.flatten_up_to(new_slots)  # None where a slot did not come back
+        for i in memos:
+            rest[i] = leaves[i] if out[i] is None else out[i]
         return result, jtu.tree_unflatten(treedef, rest)
 
     return wrapped

@@ -94,6 +94,7 @@ def test_without_donation_the_old_module_keeps_its_slots():
     _, m2 = step(m1)
     _, m3 = step(m1)  # the old module still holds its filled slot: a hit
     assert c.n == 1 and not m1.first.value.is_deleted()
+    assert m3.second.value is m1.second.value  # an untouched slot is not even returned
 
 
 def test_result_and_module_match_call():
