@@ -32,6 +32,7 @@ SCENARIOS = {
     "s5": "s5_dispatch",
     "s6": "s6_compile",
     "s7": "s7_memory",
+    "s8": "s8_grad_scan",
 }
 HERE = Path(__file__).resolve().parent
 

@@ -164,6 +164,14 @@ def headline(results: dict) -> list[dict]:
         for slot, b in results["s7"]["metrics"]["slot_overhead_bytes"].items():
             if slot.startswith(("s1 Exact", "s3 NewtonMatrix.lu", "Table")):
                 add("7 memory", f"slot overhead [B], {slot}", b)
+    if "s8" in results:
+        m = results["s8"]["metrics"]
+        for variant, r in m["temp_over_unmemoized"].items():
+            if variant.startswith("memox"):
+                add("8 grad through scan", f"temp memory / unmemoized, {variant}", r, "<= 2")
+        for variant, r in m["wall_over_hand"].items():
+            if variant.startswith("memox"):
+                add("8 grad through scan", f"grad wall / hand-written, {variant}", r)
     return rows
 
 

@@ -15,6 +15,7 @@ from ._call import (
     strip as strip,
 )
 from ._jit import jit as jit
+from ._scan import scan as scan
 from ._slot import Memo as Memo
 
 

@@ -14,7 +14,9 @@ Inside a `memox.call`, calling a cached method runs one operation, `_memo`:
    updated) and runs the method and stores its value on a miss; the value is then read
    from the slot. A hit therefore skips the computation at run time. Cached methods
    reached inside the miss branch get a frame of their own, with the slots below this
-   module threaded through the branch, so nested caches fill once.
+   module threaded through the branch, so nested caches fill once. In the loop of a
+   `memox.scan`, a slot the loop cannot change is *pinned*: read with no branch (a hit
+   by construction), its entries passed on as the arrays that came in.
 4. **Differentiate**: `_memo` is a `jax.custom_jvp` with symbolic zeros. When no
    dependency or argument carries a tangent (a frozen part) it is the branch above and
    its tangent is a symbolic zero: a hit recomputes nothing, even under `jax.grad`.
@@ -45,6 +47,7 @@ from ._fingerprint import combine, static_digest
 from ._flops import flops_of_jaxpr
 from ._policy import Exact, Policy, fresh
 from ._slot import (
+    ENTRY_FIELDS,
     Memo,
     Path,
     allocate,
@@ -355,6 +358,10 @@ def _memo(call: _Call) -> Any:
     used = set(the_plan.used)
     deps = [x for i, x in enumerate(arrays) if i in used]
     others = [x for i, x in enumerate(arrays) if i not in used]
+    keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
+    # In a `memox.scan` body, a slot the loop cannot change is read without a branch.
+    pins = _context.pins()
+    pinned = pins is not None and pins.claim(slot, policy.max_age, [*deps, *arg_arrays], keyed)
     # A method that calls other cached methods threads the slots below its module (but
     # its own) through its miss branch, so that those fill in the same computation.
     owner_path = path[:-1]
@@ -404,6 +411,8 @@ def _memo(call: _Call) -> Any:
             snapshots = jax.vmap(lambda b: unpack(b, the_plan.deps))(slot.snapshot)
         reusable = fresh(policy, slot.age, deps, snapshots)
         hit, index = lookup(slot, key, reusable)
+        if pinned:  # a hit by construction (see `_scan.py`)
+            return entry(slot, index, the_plan.spec), touched(slot, index), sub
         slot, sub = _jax_internals.varying_like((slot, sub), (deps, others, arg_arrays, key))
         operands = (index, deps, others, arg_arrays, slot, sub, key)
         if isinstance(hit, jax.core.Tracer):
@@ -433,9 +442,11 @@ def _memo(call: _Call) -> Any:
 
     memo = jax.custom_jvp(primal)
     memo.defjvp(tangent_rule, symbolic_zeros=True)
-    keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
     key = combine([frame.fingerprint(x) for x in keyed], the_plan.salt)
     value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub, key)
+    if pinned:  # the entries pass through as the very arrays that came in
+        new_slot = dataclasses.replace(new_slot, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+        new_sub = sub
     frame.write(path, new_slot, method.qualname)
     for p, s in zip(sub_paths, new_sub):
         frame.write(p, s, method.qualname)

@@ -13,11 +13,16 @@ threaded through this call, and its method simply computes (correct, never cache
 
 memox opens frames of its own while it traces the miss branch of a cached method that
 calls other cached methods: the inner slots are then threaded through that branch.
+
+While `memox.scan` traces its loop body, `Pins` names the slots of the carry that the
+body reads as loop constants (see `_scan.py`): a cached method on such a slot reads it
+without a branch and leaves its entries untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +33,7 @@ from jax import lax
 from . import _jax_internals
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import Memo, Path, path_name, slot_sites
+from ._slot import ENTRY_FIELDS, Memo, Path, is_memo, path_name, slot_sites
 
 
 class Frame:
@@ -103,6 +108,76 @@ class Frame:
         return lax.cond(valid, lambda x: fp, array_fingerprint, x)
 
 
+class Pins:
+    """The slots of a loop carry (by path) that `memox.scan`'s body may read as loop
+    constants, and the cached calls that did while the body was traced.
+
+    A pin holds when, over the whole body, every call on the slot ran directly in the
+    body (so in every step: not in a branch, a loop or a nested transformation), under
+    a policy that decides from what the method reads alone (no `max_age`), with the
+    same keyed inputs each time, and with everything it reads loop-invariant: a carry
+    leaf the body passes through unchanged, or a value from outside the loop. The
+    slot's entries must come out of the body as the very arrays that went in. Then the
+    value the method stored in the first step is the value of every later step, and
+    reading it depends on loop constants only.
+    """
+
+    def __init__(self, carry: Any, allowed: frozenset[Path], outer: Any):
+        self.trace = _jax_internals.current()
+        self.outer = outer
+        self.slots = {
+            path: slot
+            for path, slot in _slots(carry).items()
+            if path in allowed and slot.allocated
+        }
+        self._by_key = {id(slot.key): path for path, slot in self.slots.items()}
+        self.carry = jtu.tree_leaves(carry)
+        self.calls: dict[Path, list[tuple[list[Any], list[Any]]]] = {}
+
+    def claim(self, slot: Memo, max_age: int | None, reads: list[Any], keyed: list[Any]) -> bool:
+        """Whether a cached call on `slot` reads it as a loop constant (and record it)."""
+        path = self._by_key.get(id(slot.key)) if slot.allocated else None
+        if path is None or max_age is not None or _jax_internals.current() is not self.trace:
+            return False
+        self.calls.setdefault(path, []).append((reads, keyed))
+        return True
+
+    def holding(self, carry_out: Any) -> tuple[frozenset[Path], frozenset[Path]]:
+        """The pins that held in a body returning `carry_out`, and those that did not.
+
+        Forgets the traced values it recorded (they must not outlive the trace)."""
+        out = jtu.tree_leaves(carry_out)
+        passed = {id(a) for a, b in zip(self.carry, out) if a is b}
+        slots_out = _slots(carry_out)
+
+        def invariant(x: Any) -> bool:
+            return id(x) in passed or _jax_internals.visible_at(x, self.outer)
+
+        def holds(path: Path, calls: list[tuple[list[Any], list[Any]]]) -> bool:
+            slot, after = self.slots[path], slots_out.get(path)
+            same_keys = all(
+                len(k) == len(calls[0][1]) and all(map(operator.is_, k, calls[0][1]))
+                for _, k in calls
+            )
+            return (
+                isinstance(after, Memo)
+                and all(getattr(slot, f) is getattr(after, f) for f in ENTRY_FIELDS)
+                and same_keys
+                and all(invariant(x) for reads, _ in calls for x in reads)
+            )
+
+        verdicts = {path: holds(path, calls) for path, calls in self.calls.items()}
+        self.calls.clear()
+        self.carry = []
+        held = frozenset(p for p, ok in verdicts.items() if ok)
+        return held, frozenset(verdicts) - held
+
+
+def _slots(tree: Any) -> dict[Path, Memo]:
+    items = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]
+    return {path: leaf for path, leaf in items if is_memo(leaf)}
+
+
 class Plain:
     """Current while memox traces or differentiates a method on its own: nested cached
     methods compute without touching any slot. Records whether any was reached."""
@@ -135,3 +210,18 @@ def active(frame: Frame | Plain) -> Iterator[Frame | Plain]:
     finally:
         popped = stack.pop()
         assert popped is frame
+
+
+def pins() -> Pins | None:
+    """The pins of the `memox.scan` body being traced right now, if any."""
+    return getattr(_local, "pins", None)
+
+
+@contextlib.contextmanager
+def pinning(new: Pins | None) -> Iterator[Pins | None]:
+    previous = pins()
+    _local.pins = new
+    try:
+        yield new
+    finally:
+        _local.pins = previous

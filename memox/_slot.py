@@ -138,6 +138,10 @@ class Memo(eqx.Module, Generic[T]):
         )
 
 
+# The leaves that hold entries (the rest are counters).
+ENTRY_FIELDS = ("value", "valid", "key", "snapshot")
+
+
 def is_memo(x: Any) -> bool:
     return isinstance(x, Memo)
 

@@ -84,22 +84,63 @@ ops = st.one_of(
     st.tuples(st.just("mode"), st.integers(1, 3)),
     st.tuples(st.just("clear")),
     st.tuples(st.just("invalidate"), st.sampled_from("abcd")),
-    st.tuples(st.just("scan"), st.sampled_from("abcd"), st.integers(1, 4), st.integers(0, 2)),
+    st.tuples(
+        st.just("scan"),
+        st.sampled_from("abcd"),
+        st.integers(1, 4),
+        st.integers(0, 2),
+        st.sampled_from(["lax", "memox"]),
+    ),
     st.tuples(st.just("grad"), st.sampled_from("abcd"), st.integers(0, 2)),
+    st.tuples(
+        st.just("grad scan"),
+        st.sampled_from("abcd"),
+        st.integers(1, 4),
+        st.integers(0, 2),
+        st.booleans(),
+    ),
     st.tuples(st.just("serialise")),
     st.tuples(st.just("vmap")),
 )
 
 
+SCANS = {"lax": jax.lax.scan, "memox": memox.scan}
+
+
 @functools.cache
-def _scan(name, length):
+def _scan(name, length, scan):
     def body(m, args):
         y, m = memox.call(m, lambda m: getattr(m, name)(*args))
         return m, y
 
     return eqx.filter_jit(
-        lambda m, args: jax.lax.scan(lambda m, _: body(m, args), m, length=length)
+        lambda m, args: SCANS[scan](lambda m, _: body(m, args), m, length=length)
     )
+
+
+@functools.cache
+def _grads_through_scan(name, length, frozen):
+    """Gradients of a loss summed over a `memox.scan` with the model as the carry, with
+    respect to a weight `w` (and the model's `p` and `q` unless `frozen`), with memox
+    and without."""
+
+    def loss(p, q, w, model, args, cached):
+        m = eqx.tree_at(lambda m: (m.p, m.q), model, (p, q))
+        if not cached:
+            return length * jnp.sum((w * _plain(m, name, args)) ** 2)
+
+        def body(m, _):
+            y, m = memox.call(m, lambda m: getattr(m, name)(*args))
+            return m, jnp.sum((w * y) ** 2)
+
+        return jnp.sum(memox.scan(body, m, length=length)[1])
+
+    def both(model, args):
+        grad = jax.grad(loss, argnums=(2,) if frozen else (0, 1, 2))
+        w = jnp.float32(1.5)
+        return [grad(model.p, model.q, w, model, args, c) for c in (True, False)]
+
+    return eqx.filter_jit(both)
 
 
 @functools.cache
@@ -155,11 +196,17 @@ def _apply(model, op):
     elif kind == "invalidate":
         model = memox.invalidate(model, getattr(Model, op[1]))
     elif kind == "scan":
-        name, length, arg = op[1], op[2], op[3]
+        name, length, arg, scan = op[1], op[2], op[3], op[4]
         _, args = _target(name, arg)
-        model, ys = _scan(name, length)(model, args)
+        model, ys = _scan(name, length, scan)(model, args)
         for y in ys:
-            _assert_close(y, _plain(model, name, args), f"scan {name}")
+            _assert_close(y, _plain(model, name, args), f"{scan} scan {name}")
+    elif kind == "grad scan":
+        name, length, arg, frozen = op[1], op[2], op[3], op[4]
+        _, args = _target(name, arg)
+        got, want = _grads_through_scan(name, length, frozen)(model, args)
+        for g, w in zip(got, want):
+            _assert_close(g, w, f"grad through memox.scan {name}")
     elif kind == "grad":
         name, args = _target(op[1], op[2])
         got, want = _grads(name)(model, args)

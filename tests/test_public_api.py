@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import memox
 
 
-PUBLIC = ["Memo", "cached", "call", "jit", "init", "clear", "stats", "SlotStats"]
+PUBLIC = ["Memo", "cached", "call", "jit", "scan", "init", "clear", "stats", "SlotStats"]
 
 
 def test_public_names():
@@ -28,14 +28,14 @@ def _examples(obj):
 
 
 def test_every_public_callable_has_an_example():
-    for name in ["Memo", "cached", "call", "jit", "init", "clear", "stats"]:
+    for name in ["Memo", "cached", "call", "jit", "scan", "init", "clear", "stats"]:
         assert _examples(getattr(memox, name)), name
 
 
 def test_docstring_examples_run_in_order():
     # Memo's example defines `Foo`; init's makes `foo`; the others use them.
     namespace = {"jax": jax, "jnp": jnp, "eqx": eqx, "memox": memox}
-    for name in ["Memo", "cached", "init", "call", "jit", "clear", "stats"]:
+    for name in ["Memo", "cached", "init", "scan", "call", "jit", "clear", "stats"]:
         for code in _examples(getattr(memox, name)):
             exec(compile(code, f"<memox.{name} docstring>", "exec"), namespace)
     assert memox.stats(namespace["foo"])["b_cache"].misses >= 1
