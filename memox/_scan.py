@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax import lax
 
 from . import _context, _errors, _jax_internals
@@ -104,6 +105,7 @@ def scan(
         return lax.scan(f, init, xs, length, reverse, unroll)
 
     first = n - 1 if reverse else 0
+    init = jtu.tree_map(_as_array, init)  # as `lax.scan` would pass them to `f`
     carry, y_first = f(init, jtu.tree_map(lambda x: x[first], xs))
     rest = jtu.tree_map(lambda x: x[:-1] if reverse else x[1:], xs)
     while True:  # the pins held in the probe; they hold here unless `f` traces differently
@@ -121,6 +123,10 @@ def _length(xs: Any, length: int | None) -> int | None:
     if length is not None:
         lengths.add(length)
     return lengths.pop() if len(lengths) == 1 else None  # (None where a leaf is a scalar)
+
+
+def _as_array(x: Any) -> Any:
+    return jnp.asarray(x) if isinstance(x, (bool, int, float, complex, np.ndarray)) else x
 
 
 def _stack(first: Any, rest: Any, reverse: bool) -> Any:
@@ -167,9 +173,21 @@ def _probe(
     allowed = candidates
     while allowed:
         verdicts: list[tuple[frozenset[Path], frozenset[Path]]] = []
-        jax.eval_shape(_pinned(f, allowed, outer, verdicts), init, x)
+        out = jax.eval_shape(_pinned(f, allowed, outer, verdicts), init, x)
+        if not _same_types(init, _carry_of(out)):
+            return frozenset()  # `lax.scan` promotes weak types or says what is wrong
         held, failed = verdicts[0]
         if not failed:
             return held
         allowed = allowed - failed
     return frozenset()
+
+
+def _same_types(init: Any, out: Any) -> bool:
+    """Whether the body returns a carry of the same structure, shapes and dtypes."""
+    leaves, treedef = jtu.tree_flatten(init)
+    out_leaves, out_treedef = jtu.tree_flatten(out)
+    return treedef == out_treedef and all(
+        jnp.shape(a) == b.shape and jnp.result_type(a) == b.dtype
+        for a, b in zip(leaves, out_leaves)
+    )

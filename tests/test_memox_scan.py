@@ -453,3 +453,74 @@ def test_vmap_over_the_inputs():
 def test_refuses_a_function_that_is_not_callable():
     with pytest.raises(TypeError, match="memox.scan"):
         memox.scan("body", memox.init(foo(Counter())), jnp.arange(3.0))
+
+
+def test_python_scalars_in_the_carry():
+    def run(scan, f, xs):
+        def body(carry, x):
+            f, acc, steps = carry
+            b, f = memox.call(f, Foo.b)
+            return (f, acc + b * x, steps + 1), acc.shape
+
+        return scan(body, (f, 0.0, 0), xs)
+
+    xs = jnp.arange(T, dtype=jnp.float32)
+    _assert_same(*_both(run, _fresh_foo, xs))
+
+
+def test_a_carry_whose_type_changes_gets_lax_scans_error():
+    def body(carry, x):
+        f, acc = carry
+        b, f = memox.call(f, Foo.b)
+        return (f, (acc + b * x).astype(jnp.float16)), None
+
+    f = memox.init(foo(Counter()))
+    for scan in _SCANS:
+        with pytest.raises(TypeError, match="scan body function carry input and carry output"):
+            scan(body, (f, jnp.float32(0)), jnp.arange(T, dtype=jnp.float32))
+
+
+def test_a_body_that_traces_differently_in_the_loop_loses_its_pin():
+    # The probe and the first step see a body that leaves the slot alone; the loop's
+    # trace (the third) invalidates it at step 3. The loop is traced again unpinned.
+    traces = 0
+
+    def run(scan, f, xs):
+        def body(f, x):
+            nonlocal traces
+            traces += 1
+            if traces >= 3:
+                f = memox.invalidate(f, Foo.b, when=x == 3)
+            b, f = memox.call(f, Foo.b)
+            return f, b * x
+
+        return scan(body, f, xs)
+
+    xs = jnp.arange(T, dtype=jnp.float32)
+    c = Counter()
+    f, ys = jax.jit(lambda f: run(memox.scan, f, xs))(memox.init(foo(c)))
+    assert traces == 4  # probe, first step, loop (pinned, refused), loop
+    assert c.n == 2  # step 0 and step 3
+    assert _stats(f) == {"b_cache": (T - 2, 2)}
+    np.testing.assert_allclose(ys, np.asarray(f.a).sum() * np.asarray(xs))
+
+
+def test_vmap_over_modules():
+    xs = jnp.arange(T, dtype=jnp.float32)
+    a = jnp.stack([jnp.eye(3), 2 * jnp.arange(9.0).reshape(3, 3)])
+
+    def make():
+        c = Counter()
+        return jax.vmap(lambda a: memox.init(Foo(a, c)))(a), c
+
+    def run(scan, fs):
+        return jax.vmap(lambda f: _reads_b(scan, f, xs))(fs)
+
+    ref, got = _both(run, make)
+    # With batched dependencies the hit predicate is batched and `cond` becomes `select`:
+    # `lax.scan` runs the method in every step, `memox.scan` in the first step only.
+    assert (ref[1], got[1]) == (T, 1)
+    _assert_same((ref[0], 0), (got[0], 0))
+    fs, ys = got[0]
+    np.testing.assert_allclose(ys, a.sum(axis=(1, 2))[:, None] * xs[None, :])
+    np.testing.assert_array_equal(memox.stats(fs)["b_cache"].hits, [T - 1, T - 1])
