@@ -15,38 +15,38 @@ Dependencies that are the caller's arrays are fingerprinted outside the compiled
 once per array object (`_fingerprint.known`), and passed in: a hit on an unchanged
 dependency costs O(1), not a pass over its bytes (and no collective for a sharded one).
 Which inputs are dependencies is learned from the first trace.
+
+The wrapper flattens its arguments once and calls `jax.jit` directly, with the arrays
+as traced arguments and everything else (the tree structures, static fields and
+non-array leaves) as one hashable static argument: the semantics of `eqx.filter_jit`,
+without its second partition of the same trees on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 import numpy as np
 
 from ._call import Fn, allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array, known
-from ._slot import Memo, is_memo, replace_slots
+from ._slot import Memo, is_memo
 
 
 M = TypeVar("M")
 
 
-def _split(module: Any) -> tuple[Any, Any]:
-    return eqx.partition(module, is_memo, is_leaf=is_memo)
+class _Static(eqx.Module):
+    """Non-array outputs, carried in the output's tree structure."""
 
-
-def _arrays(tree: Any) -> list[Any]:
-    return [x for x in jtu.tree_leaves(tree) if eqx.is_array(x)]
-
-
-def _only(leaves: list[Any], keep: list[int]) -> list[Any]:
-    kept = set(keep)
-    return [x if i in kept else None for i, x in enumerate(leaves)]
+    value: Any = eqx.field(static=True)
 
 
 def _ready(slot: Memo) -> bool:
@@ -91,25 +91,24 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
     dependencies: set[int] = set()
     last_seen: dict[int, weakref.ref] = {}
 
-    def slots_only(inputs: Any, slots: Any) -> tuple[Any, Any]:
-        rest, args, kwargs, (fingerprints, valid) = inputs
-        module = eqx.combine(slots, rest, is_leaf=is_memo)
-        arrays = _arrays((rest, args, kwargs))
-        prehashed = {id(x): (fingerprints[i], valid[i]) for i, x in enumerate(arrays)}
+    def slots_only(static: _Signature, arrays: list, slots: list, fingerprints: tuple) -> Any:
+        module, args, kwargs = static.rebuild(arrays, slots)
+        table, valid = fingerprints
+        prehashed = {id(x): (table[i], valid[i]) for i, x in enumerate(arrays)}
         result, module, frame = run(module, fn, args, kwargs, prehashed=prehashed)
         dependencies.update(i for i, x in enumerate(arrays) if id(x) in frame.fingerprinted)
         changed = changed_slots(module, frame)
-        new_slots, _ = _split(replace_slots(module, changed))
-        if not donate:
-            # Only changed slots go out: an unchanged one stays the caller's own (no copy).
-            # With donation every slot goes out, unchanged ones aliasing their input.
-            fresh = {id(s) for s in changed.values()}
-            new_slots = jtu.tree_map(
-                lambda s: s if id(s) in fresh else None, new_slots, is_leaf=is_memo
-            )
-        return result, new_slots
+        # With donation every allocated slot goes out (an unchanged one aliases its
+        # input); without, only the changed ones: an unchanged slot stays the caller's.
+        new_slots = {
+            i: changed.get(path, slot)
+            for i, (path, slot) in enumerate(_sites(module))
+            if (path in changed or donate) and changed.get(path, slot).allocated
+        }
+        dynamic, static_out = eqx.partition(result, eqx.is_array)
+        return dynamic, _Static(static_out), new_slots
 
-    compiled = eqx.filter_jit(slots_only, donate="all-except-first" if donate else "none")
+    compiled = jax.jit(slots_only, static_argnums=0, donate_argnums=(2,) if donate else ())
 
     def fingerprints(arrays: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         table = np.zeros((len(arrays), 2), np.uint32)
@@ -128,22 +127,87 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
     @functools.wraps(fn)
     def wrapped(module: M, /, *args: Any, **kwargs: Any) -> tuple[Any, M]:
         leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
-        memos = [i for i, x in enumerate(leaves) if is_memo(x)]
         if jtu.treedef_is_leaf(treedef):
             check_module("jit", module)
-        if not all(_ready(leaves[i]) for i in memos):  # rare: allocate, or revive
+        if not all(_ready(x) for x in leaves if is_memo(x)):  # rare: allocate, or revive
             module = allocate_plain_slots(revive(module))
             leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
-            memos = [i for i, x in enumerate(leaves) if is_memo(x)]
-        rest = list(leaves)
-        for i in memos:
-            rest[i] = None
-        arrays = [x for x in rest if eqx.is_array(x)] + _arrays((args, kwargs))
-        inputs = (jtu.tree_unflatten(treedef, rest), args, kwargs, fingerprints(arrays))
-        result, new_slots = compiled(inputs, jtu.tree_unflatten(treedef, _only(leaves, memos)))
-        out = treedef.flatten_up_to(new_slots)  # None where a slot did not come back
-        for i in memos:
-            rest[i] = leaves[i] if out[i] is None else out[i]
-        return result, jtu.tree_unflatten(treedef, rest)
+        static, arrays, slots = _Signature.split(leaves, treedef, args, kwargs)
+        dynamic, static_out, new_slots = compiled(static, arrays, slots, fingerprints(arrays))
+        memos = [i for i, x in enumerate(leaves) if is_memo(x)]
+        for k, slot in new_slots.items():
+            leaves[memos[k]] = slot
+        return eqx.combine(dynamic, static_out.value), jtu.tree_unflatten(treedef, leaves)
 
     return wrapped
+
+
+def _sites(module: Any) -> list[tuple[Any, Memo]]:
+    """The slots of `module` in flattening order, with their paths."""
+    items = jtu.tree_flatten_with_path(module, is_leaf=is_memo)[0]
+    return [(path, leaf) for path, leaf in items if is_memo(leaf)]
+
+
+_ARRAY = object()  # marks a leaf passed as an array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Marks an allocated slot, passed as its leaves."""
+
+    treedef: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Signature:
+    """What a call is compiled for (the static argument of `jax.jit`, hashable): the
+    tree structures of the module and of the arguments, and every leaf that is not an
+    array. The arrays travel separately: the module's then the arguments', and the
+    allocated slots' leaves, one list per slot."""
+
+    module: Any  # treedef of the module, slots as leaves
+    module_leaves: tuple[Any, ...]  # the leaf where static, else `_ARRAY` or a `_Slot`
+    arguments: Any  # treedef of `(args, kwargs)`
+    argument_leaves: tuple[Any, ...]  # the leaf where static; `_ARRAY`
+
+    @classmethod
+    def split(
+        cls, leaves: list[Any], treedef: Any, args: tuple, kwargs: dict
+    ) -> tuple[_Signature, list[Any], list[list[Any]]]:
+        arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
+        arrays: list[Any] = []
+        slots: list[list[Any]] = []
+        module_leaves = []
+        for x in leaves:
+            if is_memo(x) and x.allocated:
+                slot_leaves, slot_treedef = jtu.tree_flatten(x)
+                slots.append(slot_leaves)
+                module_leaves.append(_Slot(slot_treedef))
+            elif eqx.is_array(x):
+                arrays.append(x)
+                module_leaves.append(_ARRAY)
+            else:
+                module_leaves.append(x)
+        argument_leaves = []
+        for x in arg_leaves:
+            if eqx.is_array(x):
+                arrays.append(x)
+                argument_leaves.append(_ARRAY)
+            else:
+                argument_leaves.append(x)
+        signature = cls(treedef, tuple(module_leaves), arg_treedef, tuple(argument_leaves))
+        return signature, arrays, slots
+
+    def rebuild(self, arrays: list[Any], slots: list[list[Any]]) -> tuple[Any, tuple, dict]:
+        arrays_, slots_ = iter(arrays), iter(slots)
+        leaves = []
+        for x in self.module_leaves:
+            if x is _ARRAY:
+                leaves.append(next(arrays_))
+            elif isinstance(x, _Slot):
+                leaves.append(jtu.tree_unflatten(x.treedef, next(slots_)))
+            else:
+                leaves.append(x)
+        arg_leaves = [next(arrays_) if x is _ARRAY else x for x in self.argument_leaves]
+        args, kwargs = jtu.tree_unflatten(self.arguments, arg_leaves)
+        return jtu.tree_unflatten(self.module, leaves), args, kwargs
