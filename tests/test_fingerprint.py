@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from memox._fingerprint import fingerprint
+from memox._fingerprint import (
+    HOST_HASH_MAX_SIZE,
+    array_fingerprint,
+    fingerprint,
+    host_fingerprint,
+    known,
+)
 from memox._slot import Spec, decode, encode, storage_struct
 
 
@@ -111,3 +117,28 @@ def test_pytree_values_pack_into_bytes():
     )
     empty = Spec.of(())
     assert decode(encode((), empty), empty) == ()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", "float64", "int8", "uint8", "int16", "bool", "float16", "bfloat16"]
+    + ["complex64", "complex128", "int64", "uint32"],
+)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
+def test_host_and_device_fingerprints_agree_bit_for_bit(dtype, shape):
+    # Small concrete arrays are hashed in NumPy (`known`), large ones and tracers by XLA:
+    # a slot filled one way must hit when checked the other way.
+    rng = np.random.default_rng(sum(shape) + len(dtype))
+    with jax.enable_x64(True):
+        x = jnp.asarray((100 * rng.normal(size=shape)).astype(jnp.dtype(dtype)))
+        device = np.asarray(array_fingerprint(x))
+        host = host_fingerprint(np.asarray(x))
+    np.testing.assert_array_equal(host, device)
+
+
+def test_small_arrays_are_fingerprinted_on_the_host():
+    small = jnp.arange(10.0)
+    large = jnp.arange(float(HOST_HASH_MAX_SIZE + 1))
+    assert isinstance(known(small), np.ndarray)
+    assert isinstance(known(large), jax.Array)
+    np.testing.assert_array_equal(known(small), np.asarray(array_fingerprint(small)))
