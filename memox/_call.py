@@ -26,6 +26,7 @@ from ._slot import (
     path_name,
     replace_slots,
     slot_sites,
+    slots,
 )
 
 
@@ -125,7 +126,7 @@ def run(
 
 def changed_slots(module: Any, frame: _context.Frame) -> dict[Path, Memo]:
     """The slots of `frame` that differ from those of `module`, by path."""
-    before = {site.path: site.slot for site in slot_sites(module)}
+    before = slots(module)
     return {p: s for p, s in frame.store.items() if before.get(p) is not s}
 
 
@@ -184,7 +185,7 @@ def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
         return replace_slots(module, changed_slots(module, frame))
 
     shapes = eqx.filter_eval_shape(allocated, module, args, kwargs)
-    before = {site.path: site.slot for site in slot_sites(module)}
+    before = slots(module)
     new = {
         site.path: jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), site.slot)
         for site in slot_sites(shapes)

@@ -33,7 +33,7 @@ from jax import lax
 from . import _jax_internals
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import ENTRY_FIELDS, Memo, Path, is_memo, path_name, slot_sites
+from ._slot import ENTRY_FIELDS, Memo, Path, path_name, slot_sites, slots
 
 
 class Frame:
@@ -126,9 +126,7 @@ class Pins:
         self.trace = _jax_internals.current()
         self.outer = outer
         self.slots = {
-            path: slot
-            for path, slot in _slots(carry).items()
-            if path in allowed and slot.allocated
+            path: slot for path, slot in slots(carry).items() if path in allowed and slot.allocated
         }
         self._by_key = {id(slot.key): path for path, slot in self.slots.items()}
         self.carry = jtu.tree_leaves(carry)
@@ -148,7 +146,7 @@ class Pins:
         Forgets the traced values it recorded (they must not outlive the trace)."""
         out = jtu.tree_leaves(carry_out)
         passed = {id(a) for a, b in zip(self.carry, out) if a is b}
-        slots_out = _slots(carry_out)
+        slots_out = slots(carry_out)
 
         def invariant(x: Any) -> bool:
             return id(x) in passed or _jax_internals.visible_at(x, self.outer)
@@ -171,11 +169,6 @@ class Pins:
         self.carry = []
         held = frozenset(p for p, ok in verdicts.items() if ok)
         return held, frozenset(verdicts) - held
-
-
-def _slots(tree: Any) -> dict[Path, Memo]:
-    items = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]
-    return {path: leaf for path, leaf in items if is_memo(leaf)}
 
 
 class Plain:

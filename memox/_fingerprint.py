@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +67,26 @@ def _u32(value: int) -> Array:
     return jnp.uint32(value & 0xFFFFFFFF)
 
 
-def _fmix(h: Array) -> Array:
+def _fmix(h: Array | np.ndarray, u32: Callable[[int], Any] = _u32) -> Array | np.ndarray:
+    """MurmurHash3's finaliser, elementwise (`u32` makes the constants: `jnp` or NumPy)."""
     s1, m1, s2, m2, s3 = _FMIX
-    h = h ^ (h >> _u32(s1))
-    h = h * _u32(m1)
-    h = h ^ (h >> _u32(s2))
-    h = h * _u32(m2)
-    return h ^ (h >> _u32(s3))
+    h = h ^ (h >> u32(s1))
+    h = h * u32(m1)
+    h = h ^ (h >> u32(s2))
+    h = h * u32(m2)
+    return h ^ (h >> u32(s3))
+
+
+def _mix(w: Array | np.ndarray, xp: types.ModuleType) -> Array | np.ndarray:
+    """The fingerprint of a vector of 32-bit words, with `xp` = `jnp` or NumPy (the
+    same arithmetic modulo 2**32, so the same bits)."""
+    u32 = xp.uint32
+    position = xp.arange(w.size, dtype=u32)
+    mixed = _fmix(w * u32(_A) + position * u32(_B), u32)
+    lane0 = xp.sum(mixed, dtype=u32)
+    lane1 = xp.sum(mixed * ((position * u32(_C)) | u32(1)), dtype=u32)
+    size = u32(w.size & 0xFFFFFFFF)
+    return _fmix(xp.stack([lane0 ^ size, lane1 ^ size ^ u32(_C)]), u32)
 
 
 def words(x: Array) -> UInt32[Array, " n"]:
@@ -91,13 +106,7 @@ def words(x: Array) -> UInt32[Array, " n"]:
 @jax.jit
 def array_fingerprint(x: Array) -> UInt32[Array, 2]:
     """The 64-bit fingerprint of one array's bits (its shape and dtype are in the salt)."""
-    w = words(lax.stop_gradient(x))
-    position = lax.iota(jnp.uint32, w.size)
-    mixed = _fmix(w * _u32(_A) + position * _u32(_B))
-    lane0 = jnp.sum(mixed, dtype=jnp.uint32)
-    lane1 = jnp.sum(mixed * ((position * _u32(_C)) | _u32(1)), dtype=jnp.uint32)
-    size = _u32(w.size)
-    return jnp.stack([_fmix(lane0 ^ size), _fmix(lane1 ^ size ^ _u32(_C))])
+    return _mix(words(lax.stop_gradient(x)), jnp)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -113,15 +122,6 @@ def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Arra
     return jnp.stack([lane0, lane1])
 
 
-def _fmix_int(h: int) -> int:
-    s1, m1, s2, m2, s3 = _FMIX
-    h ^= h >> s1
-    h = (h * m1) & 0xFFFFFFFF
-    h ^= h >> s2
-    h = (h * m2) & 0xFFFFFFFF
-    return h ^ (h >> s3)
-
-
 def _host_words(x: np.ndarray) -> np.ndarray:
     """`words`, in NumPy (the same bits in the same order)."""
     if np.iscomplexobj(x):
@@ -135,23 +135,11 @@ def _host_words(x: np.ndarray) -> np.ndarray:
 
 
 def host_fingerprint(x: np.ndarray) -> np.ndarray:
-    """`array_fingerprint`, in NumPy: equal bit for bit (integer arithmetic modulo 2**32).
+    """`array_fingerprint`, in NumPy: equal bit for bit.
 
     For small arrays, where compiling `array_fingerprint` for a new shape costs far more
     than hashing on the host."""
-    w = _host_words(np.asarray(x))
-    position = np.arange(w.size, dtype=np.uint32)
-    h = w * np.uint32(_A) + position * np.uint32(_B)
-    s1, m1, s2, m2, s3 = _FMIX
-    h ^= h >> np.uint32(s1)
-    h *= np.uint32(m1)
-    h ^= h >> np.uint32(s2)
-    h *= np.uint32(m2)
-    mixed = h ^ (h >> np.uint32(s3))
-    lane0 = int(np.sum(mixed, dtype=np.uint32))
-    lane1 = int(np.sum(mixed * ((position * np.uint32(_C)) | np.uint32(1)), dtype=np.uint32))
-    size = w.size & 0xFFFFFFFF
-    return np.array([_fmix_int(lane0 ^ size), _fmix_int(lane1 ^ size ^ _C)], np.uint32)
+    return _mix(_host_words(np.asarray(x)), np)
 
 
 def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ._call import Fn, allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array, known
-from ._slot import Memo, is_memo
+from ._slot import Memo, is_memo, slots
 
 
 M = TypeVar("M")
@@ -91,8 +91,10 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
     dependencies: set[int] = set()
     last_seen: dict[int, weakref.ref] = {}
 
-    def slots_only(static: _Signature, arrays: list, slots: list, fingerprints: tuple) -> Any:
-        module, args, kwargs = static.rebuild(arrays, slots)
+    def slots_only(
+        static: _Signature, arrays: list, slot_leaves: list, fingerprints: tuple
+    ) -> Any:
+        module, args, kwargs = static.rebuild(arrays, slot_leaves)
         table, valid = fingerprints
         prehashed = {id(x): (table[i], valid[i]) for i, x in enumerate(arrays)}
         result, module, frame = run(module, fn, args, kwargs, prehashed=prehashed)
@@ -102,7 +104,7 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
         # input); without, only the changed ones: an unchanged slot stays the caller's.
         new_slots = {
             i: changed.get(path, slot)
-            for i, (path, slot) in enumerate(_sites(module))
+            for i, (path, slot) in enumerate(slots(module).items())
             if (path in changed or donate) and changed.get(path, slot).allocated
         }
         dynamic, static_out = eqx.partition(result, eqx.is_array)
@@ -132,20 +134,16 @@ def jit(fn: Fn, /, *, donate: bool = True) -> Callable[..., tuple[Any, Any]]:
         if not all(_ready(x) for x in leaves if is_memo(x)):  # rare: allocate, or revive
             module = allocate_plain_slots(revive(module))
             leaves, treedef = jtu.tree_flatten(module, is_leaf=is_memo)
-        static, arrays, slots = _Signature.split(leaves, treedef, args, kwargs)
-        dynamic, static_out, new_slots = compiled(static, arrays, slots, fingerprints(arrays))
+        static, arrays, slot_leaves = _Signature.split(leaves, treedef, args, kwargs)
+        dynamic, static_out, new_slots = compiled(
+            static, arrays, slot_leaves, fingerprints(arrays)
+        )
         memos = [i for i, x in enumerate(leaves) if is_memo(x)]
         for k, slot in new_slots.items():
             leaves[memos[k]] = slot
         return eqx.combine(dynamic, static_out.value), jtu.tree_unflatten(treedef, leaves)
 
     return wrapped
-
-
-def _sites(module: Any) -> list[tuple[Any, Memo]]:
-    """The slots of `module` in flattening order, with their paths."""
-    items = jtu.tree_flatten_with_path(module, is_leaf=is_memo)[0]
-    return [(path, leaf) for path, leaf in items if is_memo(leaf)]
 
 
 _ARRAY = object()  # marks a leaf passed as an array
@@ -176,12 +174,12 @@ class _Signature:
     ) -> tuple[_Signature, list[Any], list[list[Any]]]:
         arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
         arrays: list[Any] = []
-        slots: list[list[Any]] = []
+        slot_leaves: list[list[Any]] = []
         module_leaves = []
         for x in leaves:
             if is_memo(x) and x.allocated:
-                slot_leaves, slot_treedef = jtu.tree_flatten(x)
-                slots.append(slot_leaves)
+                one_slot, slot_treedef = jtu.tree_flatten(x)
+                slot_leaves.append(one_slot)
                 module_leaves.append(_Slot(slot_treedef))
             elif eqx.is_array(x):
                 arrays.append(x)
@@ -196,10 +194,10 @@ class _Signature:
             else:
                 argument_leaves.append(x)
         signature = cls(treedef, tuple(module_leaves), arg_treedef, tuple(argument_leaves))
-        return signature, arrays, slots
+        return signature, arrays, slot_leaves
 
-    def rebuild(self, arrays: list[Any], slots: list[list[Any]]) -> tuple[Any, tuple, dict]:
-        arrays_, slots_ = iter(arrays), iter(slots)
+    def rebuild(self, arrays: list[Any], slot_leaves: list[list[Any]]) -> tuple[Any, tuple, dict]:
+        arrays_, slots_ = iter(arrays), iter(slot_leaves)
         leaves = []
         for x in self.module_leaves:
             if x is _ARRAY:

@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from . import _context, _errors, _jax_internals
-from ._slot import Path, slot_sites
+from ._slot import Path, slots
 
 
 C = TypeVar("C")
@@ -96,7 +96,7 @@ def scan(
     if not callable(f):
         raise TypeError(_errors.NOT_CALLABLE.format(api="scan", got=type(f).__name__))
     n = _length(xs, length)
-    candidates = frozenset(s.path for s in slot_sites(init) if s.slot.allocated)
+    candidates = frozenset(path for path, slot in slots(init).items() if slot.allocated)
     if n is None or n < 2 or not candidates:
         return lax.scan(f, init, xs, length, reverse, unroll)
     outer = _jax_internals.current()
@@ -126,7 +126,8 @@ def _length(xs: Any, length: int | None) -> int | None:
 
 
 def _as_array(x: Any) -> Any:
-    return jnp.asarray(x) if isinstance(x, (bool, int, float, complex, np.ndarray)) else x
+    scalar_or_numpy = (bool, int, float, complex, np.ndarray, np.generic)
+    return jnp.asarray(x) if isinstance(x, scalar_or_numpy) else x
 
 
 def _stack(first: Any, rest: Any, reverse: bool) -> Any:

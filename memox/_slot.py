@@ -288,6 +288,12 @@ class SlotSite:
     field: str | None
 
 
+def slots(tree: PyTree) -> dict[Path, Memo]:
+    """Every `Memo` in `tree` by path, in flattening order."""
+    items = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]
+    return {path: leaf for path, leaf in items if is_memo(leaf)}
+
+
 def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
     """Every `Memo` in `tree`, with the object owning it."""
     for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:

@@ -124,6 +124,16 @@ def test_keyword_and_static_arguments():
     assert traces == [2, 3] and c.n == 1
 
 
+def test_non_array_results_come_back_as_they_were():
+    c = Counter()
+    step = memox.jit(lambda f, x: {"b": f.b() * x, "label": "b times x", "n": 3, "none": None})
+    out, f = step(foo(c), jnp.float32(2))
+    assert (out["label"], out["n"], out["none"]) == ("b times x", 3, None)
+    assert out["b"] == 2 * jnp.sum(f.a)
+    out, f = step(f, jnp.float32(2))
+    assert out["label"] == "b times x" and c.n == 1
+
+
 def test_unchanged_dependencies_are_fingerprinted_outside_once():
     from memox._fingerprint import known
 
