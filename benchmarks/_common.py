@@ -18,7 +18,12 @@ import jax
 import numpy as np
 from jax import monitoring
 
-from memox._flops import flops_of as flops_of
+import memox
+
+
+def flops_of(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of one evaluation of `fn(*args, **kwargs)` (`memox.flops`)."""
+    return memox.flops(fn, *args, **kwargs).flops
 
 
 T0 = time.perf_counter()
