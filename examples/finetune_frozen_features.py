@@ -14,7 +14,7 @@ standard Equinox + optax loop (a filter spec that freezes the Laplacian, `optax.
 
 Every number printed is measured: eigh executions by a `jax.debug.callback` inside
 `eigenbasis` (it runs once per real execution, not on a cache hit), FLOPs by
-`memox.stats` and `memox._flops.flops_of` (counted from jaxprs), wall time with
+`memox.stats` and `memox.flops` (counted from jaxprs), wall time with
 `jax.block_until_ready` after a warm-up step that compiles (and is then discarded).
 """
 
@@ -31,7 +31,6 @@ from jaxtyping import Array, Float
 
 import memox
 from memox import Memo
-from memox._flops import flops_of
 
 
 T0 = time.perf_counter()
@@ -102,7 +101,7 @@ def train(model: SpectralNet, forward: Callable, targets: jax.Array, mask: jax.A
         return eqx.apply_updates(model, updates), opt_state, loss
 
     opt_state = optim.init(eqx.filter(model, spec))
-    step_flops = flops_of(step, model, opt_state)  # traces `step`: nothing runs
+    step_flops = memox.flops(step, model, opt_state).flops  # traces `step`: nothing runs
     jax.block_until_ready(step(model, opt_state))  # warm-up: compiles; result discarded
     jax.effects_barrier()
     COUNTS.clear()
@@ -140,7 +139,7 @@ def main() -> None:
     # adamw). memox's step holds the eigh too (the miss branch of a `lax.cond`, counted
     # once), the same rest, and the check: a fingerprint of the Laplacian (integer ops).
     slot = memox.stats(memo.model)["basis_cache"]
-    assert slot.flops == flops_of(SpectralNet.eigenbasis, plain.model)
+    assert slot.flops == memox.flops(SpectralNet.eigenbasis, plain.model).flops
     rest = plain.step_flops - slot.flops
     check = memo.step_flops - slot.flops - rest
     # A loop's total: its eigh executions, plus STEPS times everything else in a step.

@@ -34,7 +34,6 @@ from sklearn.gaussian_process.kernels import RBF, ConstantKernel  # noqa: E402
 
 import memox  # noqa: E402
 from memox import Memo  # noqa: E402
-from memox._flops import flops_of  # noqa: E402
 
 
 N, DIM, STEPS, BATCHES, BATCH, REPEATS = 1000, 2, 50, 200, 64, 20
@@ -181,7 +180,7 @@ def main() -> None:
             "hand-written, L passed in": lambda: by_hand(bare, L, alpha, Xs),
         }
     )
-    rest = flops_of(posterior, bare, L, alpha, Xs)  # FLOPs of a predict that hits
+    rest = memox.flops(posterior, bare, L, alpha, Xs).flops  # FLOPs of a predict that hits
 
     print(f"\nServe: {BATCHES} batches of {BATCH} points through memox.jit")
     print(f"  factorisations  fit {fitted.misses}, serve {computed}, then {hits} hits")

@@ -9,11 +9,14 @@ from ._call import (
     SlotStats as SlotStats,
     call as call,
     clear as clear,
+    hoist as hoist,
     init as init,
     invalidate as invalidate,
     stats as stats,
     strip as strip,
 )
+from ._errors import UncachedWarning as UncachedWarning
+from ._flops import flops as flops
 from ._jit import jit as jit
 from ._scan import scan as scan
 from ._slot import Memo as Memo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import equinox as eqx
@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
-from ._cached import CachedMethod, method_for, plan_without_arguments
+from ._cached import CachedMethod, method_for
 from ._fingerprint import is_concrete_array
+from ._plan import plan_without_arguments
 from ._slot import (
+    Hoisted,
     Memo,
     Path,
     SlotSite,
@@ -28,6 +30,10 @@ from ._slot import (
     slot_sites,
     slots,
 )
+
+
+if TYPE_CHECKING:
+    from ._flops import FlopCount
 
 
 M = TypeVar("M")
@@ -251,12 +257,62 @@ def invalidate(module: M, /, *methods: Any, when: Any = True) -> M:
     check_module("invalidate", module)
     for method in methods:
         if not isinstance(method, CachedMethod):
-            raise TypeError(_errors.NOT_CACHED.format(got=repr(method)))
+            raise TypeError(_errors.NOT_CACHED.format(api="invalidate", got=repr(method)))
     new = {
         site.path: invalidated(site.slot, when)
         for site in slot_sites(module)
         if not methods or (site.field and method_for(site.owner, site.field) in methods)
     }
+    return replace_slots(module, new)
+
+
+def hoist(module: M, /, *methods: Any) -> M:
+    """Read cached values now, for a computation that `memox.call` cannot see into.
+
+    Inside `memox.call` or `memox.jit`, a cached method called inside a transformation
+    that rebuilds the module (`eqx.filter_jit`, `jax.jit`, a loop body, a diffrax solve)
+    cannot reach its slot, and computes at every evaluation (memox warns). `hoist` reads
+    the value of each cached method without arguments once, through the running call (a
+    hit, or one computation that fills the slot), and returns the module with those
+    values in place of their slots: inside the transformation the method returns its
+    value with no check and no branch, as if you had hoisted it by hand. Gradients are
+    exact: the values are differentiable functions of the module's arrays.
+
+    The returned module is a view for that one computation: use the module `memox.call`
+    returns afterwards, not the view (its values do not follow changes made to it).
+
+    **Arguments:**
+
+    - `module`: the module (or a part of it) that `fn` received.
+    - `*methods`: cached methods to read, unbound (`VectorField.weight`); none: every
+      cached method without arguments in `module`.
+
+    **Returns:**
+
+    `module` with those methods' slots replaced by their values.
+
+    !!! Example
+
+        ```python
+        def solve(model, y0):
+            term = diffrax.ODETerm(memox.hoist(model))   # model.weight(): once per solve
+            return diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0).ys
+
+        ys, model = memox.call(model, solve, y0)
+        ```
+    """
+    if not isinstance(_context.top(), _context.Frame):
+        raise ValueError(_errors.HOIST_OUTSIDE_CALL)
+    check_module("hoist", module)
+    for method in methods:
+        if not isinstance(method, CachedMethod):
+            raise TypeError(_errors.NOT_CACHED.format(api="hoist", got=repr(method)))
+    new = {}
+    for site in slot_sites(module):
+        method = method_for(site.owner, site.field) if site.field else None
+        if method is None or method.takes_arguments or (methods and method not in methods):
+            continue
+        new[site.path] = Hoisted(method(site.owner))
     return replace_slots(module, new)
 
 
@@ -284,14 +340,20 @@ class SlotStats:
 
     - `hits`: values returned from the slot; `misses`: values computed and stored.
     - `flops`: floating-point operations of one computation of the method (counted from
-      its jaxpr, nested cached methods included; see `memox/_flops.py` for what is
-      counted), or `None` where memox has not planned the method yet.
+      its jaxpr when `memox.stats` asks, nested cached methods included; see
+      `memox.flops` for what is counted), or `None` where memox has not planned the
+      method yet.
+    - `flops_unknown`: primitives of the method that have no FLOP rule (counted as 0 in
+      `flops`), with how many times each occurs; empty when `flops` is exact.
     - `flops_saved`: `hits * flops`.
     """
 
     hits: int | jax.Array
     misses: int | jax.Array
     flops: int | None = dataclasses.field(default=None, compare=False)
+    flops_unknown: Mapping[str, int] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def flops_saved(self) -> int | jax.Array | None:
@@ -325,17 +387,19 @@ def stats(module: Any) -> dict[str, SlotStats]:
     for site in slot_sites(module):
         slot = site.slot
         counts = (0, 0) if not slot.allocated else (slot.hits, slot.misses)
-        out[path_name(site.path)] = SlotStats(*map(_concrete, counts), _flops(site))
+        count = _flops(site)
+        flops, unknown = (None, {}) if count is None else (count.flops, dict(count.unknown))
+        out[path_name(site.path)] = SlotStats(*map(_concrete, counts), flops, unknown)
     return out
 
 
-def _flops(site: SlotSite) -> int | None:
+def _flops(site: SlotSite) -> FlopCount | None:
     method = method_for(site.owner, site.field) if site.field else None
     if method is None:
         return None
     if not method.takes_arguments:
         return plan_without_arguments(method, site.owner).flops
-    return method.flops
+    return None if method.latest_plan is None else method.latest_plan.flops
 
 
 def _concrete(x: Any) -> int | jax.Array:

@@ -67,8 +67,8 @@ INNER_TRANSFORM = (
 
 UNSUPPORTED_DTYPE = (
     "`{method}` returned a leaf of dtype {dtype}; a `memox.Memo` slot holds boolean, "
-    "integer, floating and complex arrays. Return arrays of those dtypes (for a PRNG "
-    "key, `jax.random.key_data(key)`), or drop `memox.cached` from this method."
+    "integer, floating and complex arrays and typed PRNG keys. Return arrays of those "
+    "dtypes, or drop `memox.cached` from this method."
 )
 
 BAD_SIZE = (
@@ -82,8 +82,8 @@ NOT_A_POLICY = (
 )
 
 NOT_CACHED = (
-    "`memox.invalidate(module, *methods)`: {got} is not a method decorated with "
-    "`memox.cached`. Pass cached methods unbound, e.g. `memox.invalidate(model, Foo.b)`."
+    "`memox.{api}(module, *methods)`: {got} is not a method decorated with "
+    "`memox.cached`. Pass cached methods unbound, e.g. `memox.{api}(model, Foo.b)`."
 )
 
 DONATED_SLOTS = (
@@ -92,3 +92,45 @@ DONATED_SLOTS = (
     "returned (`out, model = step(model, x)`), or make the step with "
     "`memox.jit(fn, donate=False)`."
 )
+
+NOT_EQX_MODULE = (
+    "`memox.cached('{slot}')` on `{cls}.{name}`: `{cls}` is {kind}. memox caches in "
+    "the fields of an `eqx.Module` (slots are pytree leaves threaded by `memox.call`). "
+    "Define `{cls}` as an `equinox.Module` with a field "
+    "`{slot}: memox.Memo[...] = memox.Memo()`."
+)
+
+UNREACHED_SLOT = (
+    "`{method}` ran inside `memox.call` but its slot `{slot}` is not threaded through "
+    "this call, so it computes every time and caches nothing. Either the module it ran "
+    "on is not (part of) the module passed to `memox.call`, or the method runs inside a "
+    "transformation opened inside `fn` that rebuilt the module (`eqx.filter_jit`, "
+    "`jax.jit`, a loop, a diffrax solve, ...). Pass `memox.hoist(module)` into that "
+    "transformation instead of the module (its cached values are read once, before it), "
+    "or call `memox.call` inside it on the module it receives."
+)
+
+HOISTED_WITH_ARGUMENTS = (
+    "`{method}` was read ahead by `memox.hoist`, which holds one value per method, but "
+    "is called with arguments here. Hoist only methods without arguments "
+    "(`memox.hoist(module, Cls.method)`), and call this one through `memox.call`."
+)
+
+HOIST_OUTSIDE_CALL = (
+    "`memox.hoist` reads cached values through the running `memox.call` or `memox.jit`, "
+    "and none is running. Call it inside the function you pass to them: "
+    "`memox.call(model, lambda m: solve(memox.hoist(m), ...))`."
+)
+
+UNHASHABLE_STATIC = (
+    "memox keys a cached method on every non-array part of its module and arguments by "
+    "equality, as `jax.jit` does for static arguments, but a `{type}` is neither "
+    "hashable nor a plain value (number, string, tuple, NumPy array, ...), so it cannot "
+    "be compared safely. Make it hashable (e.g. a frozen dataclass or a tuple), or pass "
+    "it as a JAX array."
+)
+
+
+class UncachedWarning(UserWarning):
+    """A cached method ran inside `memox.call` where memox cannot reach its slot: it
+    computed without caching. The message says what to change."""

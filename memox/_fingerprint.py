@@ -31,15 +31,13 @@ dependencies are tracers and are hashed in-graph. A small concrete array is hash
 NumPy (`host_fingerprint`, the same bits): compiling the XLA hash for each new shape
 took ~0.6 s on the third `memox.jit` call of a model with three small dependencies.
 
-The static part (the method, the module's tree structure with its static fields, the
-shapes and dtypes of the dependencies, non-array arguments) is hashed in Python with
-BLAKE2b and enters as the salt: it is a compile-time constant.
+The static part of the key (`_key.py`: the method, the module's structure and non-array
+parts, the types of all arrays) enters as the salt: a compile-time constant.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,16 +49,11 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, UInt32
 
+from ._storage import as_data
+
 
 _A, _B, _C = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
 _FMIX = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)
-
-
-def static_digest(*parts: object) -> tuple[int, int]:
-    """A stable 64-bit digest (two 32-bit words) of the `repr` of `parts`."""
-    text = "\x1f".join(repr(p) for p in parts).encode()
-    digest = hashlib.blake2b(text, digest_size=8).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
 def _u32(value: int) -> Array:
@@ -90,8 +83,9 @@ def _mix(w: Array | np.ndarray, xp: types.ModuleType) -> Array | np.ndarray:
 
 
 def words(x: Array) -> UInt32[Array, " n"]:
-    """The bit pattern of `x` as a flat vector of 32-bit words."""
-    x = jnp.asarray(x)
+    """The bit pattern of `x` as a flat vector of 32-bit words (a typed PRNG key's:
+    its `key_data`'s)."""
+    x = as_data(jnp.asarray(x))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     if x.dtype == jnp.bool_:
@@ -169,7 +163,7 @@ class _Known:
             key = id(x)
             ref = weakref.ref(x, lambda _, key=key: self._entries.pop(key, None))
             if x.size <= HOST_HASH_MAX_SIZE and x.is_fully_addressable:
-                host = host_fingerprint(np.asarray(x))
+                host = host_fingerprint(np.asarray(as_data(x)))
                 entry = (ref, host, host)
             else:
                 # Computed now, not staged into a trace that may be running: a concrete

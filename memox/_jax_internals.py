@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.extend
+import numpy as np
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 
@@ -67,9 +68,33 @@ def lowered(value: Any) -> Any:
     return _core.full_lower(value) if isinstance(value, jax.core.Tracer) else value
 
 
+def varying_axes(aval: Any) -> frozenset[Any]:
+    """The `shard_map` mesh axes a value of type `aval` varies over (`check_vma`)."""
+    mat = getattr(aval, "mat", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax < 0.10
+
+
 def _varying(x: Any) -> frozenset:
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()))
+    return varying_axes(jax.typeof(x))
+
+
+def is_key(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (an extended dtype)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_impl_name(dtype: Any) -> str:
+    """The name of the PRNG implementation of key dtype `dtype` (for `wrap_key_data`)."""
+    return str(dtype._impl.name)
+
+
+def weakly_typed(x: Any) -> Any:
+    """`x` as a weakly typed array of the same dtype (what a Python scalar gives)."""
+    from jax._src.lax import lax as _lax
+
+    return _lax._convert_element_type(x, np.dtype(x.dtype), weak_type=True)
 
 
 def varying_like(tree: Any, like: Any) -> Any:

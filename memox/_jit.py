@@ -151,9 +151,12 @@ _ARRAY = object()  # marks a leaf passed as an array
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    """Marks an allocated slot, passed as its leaves."""
+    """Marks an allocated slot, passed as its leaves: the `index`-th list of slot leaves
+    (a slot object found at several paths, as in a shared submodule, is passed once: a
+    buffer can be donated only once)."""
 
     treedef: Any
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,12 +178,15 @@ class _Signature:
         arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
         arrays: list[Any] = []
         slot_leaves: list[list[Any]] = []
+        seen: dict[int, int] = {}
         module_leaves = []
         for x in leaves:
             if is_memo(x) and x.allocated:
                 one_slot, slot_treedef = jtu.tree_flatten(x)
-                slot_leaves.append(one_slot)
-                module_leaves.append(_Slot(slot_treedef))
+                if id(x) not in seen:
+                    seen[id(x)] = len(slot_leaves)
+                    slot_leaves.append(one_slot)
+                module_leaves.append(_Slot(slot_treedef, seen[id(x)]))
             elif eqx.is_array(x):
                 arrays.append(x)
                 module_leaves.append(_ARRAY)
@@ -197,13 +203,16 @@ class _Signature:
         return signature, arrays, slot_leaves
 
     def rebuild(self, arrays: list[Any], slot_leaves: list[list[Any]]) -> tuple[Any, tuple, dict]:
-        arrays_, slots_ = iter(arrays), iter(slot_leaves)
+        arrays_ = iter(arrays)
+        rebuilt: dict[int, Any] = {}
         leaves = []
         for x in self.module_leaves:
             if x is _ARRAY:
                 leaves.append(next(arrays_))
             elif isinstance(x, _Slot):
-                leaves.append(jtu.tree_unflatten(x.treedef, next(slots_)))
+                if x.index not in rebuilt:
+                    rebuilt[x.index] = jtu.tree_unflatten(x.treedef, slot_leaves[x.index])
+                leaves.append(rebuilt[x.index])
             else:
                 leaves.append(x)
         arg_leaves = [next(arrays_) if x is _ARRAY else x for x in self.argument_leaves]

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import typing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -36,6 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Int, PyTree, UInt8, UInt32
 
 from . import _errors
+from ._fingerprint import is_concrete_array
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -117,6 +120,19 @@ class Memo(eqx.Module, Generic[T]):
     misses: Int[Array, ""] | _Empty | None = EMPTY
     size: Size = eqx.field(static=True, default=1)
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        # A slot declared with a default (`b_cache: Memo[...] = Memo()`) becomes a field
+        # whose default is set on every instance, even by a custom `__init__` that does
+        # not assign it (Equinox sets a field with a converter after `__init__`; a plain
+        # default would be missing from the instance and its pytree).
+        if (
+            isinstance(owner, type)
+            and issubclass(owner, eqx.Module)
+            and "__dataclass_fields__" not in owner.__dict__
+            and name in annotations_of(owner)
+        ):
+            setattr(owner, name, eqx.field(default=self, converter=_as_slot))
+
     def __check_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
             raise ValueError(_errors.BAD_SIZE.format(size=self.size))
@@ -136,6 +152,38 @@ class Memo(eqx.Module, Generic[T]):
             dtype,
             (self.size, snapshot_bytes),
         )
+
+
+def _as_slot(x: T) -> T:
+    """The converter of a slot field: the value as given (see `Memo.__set_name__`)."""
+    return x
+
+
+def annotations_of(cls: type) -> dict[str, Any]:
+    """The annotations `cls` itself declares (Python 3.14's lazy annotations too:
+    unresolvable names come back as forward references)."""
+    if sys.version_info >= (3, 14):
+        import annotationlib
+
+        return dict(annotationlib.get_annotations(cls, format=annotationlib.Format.FORWARDREF))
+    return dict(cls.__dict__.get("__annotations__", {}))
+
+
+def is_memo_annotation(annotation: Any) -> bool:
+    """Whether a field annotation declares a slot (`Memo`, `Memo[...]`, as a string too)."""
+    if isinstance(annotation, str):
+        return annotation.split("[")[0].split(".")[-1].strip() == "Memo"
+    name = getattr(annotation, "__forward_arg__", None)
+    if isinstance(name, str):
+        return is_memo_annotation(name)
+    return annotation is Memo or typing.get_origin(annotation) is Memo
+
+
+class Hoisted(eqx.Module):
+    """A slot's value read ahead by `memox.hoist`, in place of the slot: the cached
+    method returns it as is, inside any transformation."""
+
+    value: Any
 
 
 # The leaves that hold entries (the rest are counters).
@@ -231,17 +279,51 @@ def _explicit_mesh(x: Array) -> Any:
 
 def _put(table: Array, update: Array, index: Array) -> Array:
     """`table` with entry `index` set to `update`. Where a mesh's axes are `Explicit`,
-    sharding is part of the type and both must agree: the table takes the update's
-    sharding (entries sharded like the value), or else the update the table's. Elsewhere
-    XLA propagates shardings and nothing is resharded."""
-    if (mesh := _explicit_mesh(update)) is not None:
-        want = NamedSharding(mesh, PartitionSpec(None, *jax.typeof(update).sharding.spec))
-        if jax.typeof(table).sharding != want:
-            table = jax.sharding.reshard(table, want)
-    elif (mesh := _explicit_mesh(table)) is not None:
-        entry = PartitionSpec(*jax.typeof(table).sharding.spec[1:])
-        update = jax.sharding.reshard(update, NamedSharding(mesh, entry))
+    sharding is part of the type and both must agree: the update takes the table's
+    sharding, so that the table's type never changes (a `cond`'s branches, a loop's
+    carry); `conformed` gave the table the value's sharding beforehand. Elsewhere XLA
+    propagates shardings and nothing is resharded."""
+    if (mesh := _explicit_mesh(table)) is not None:
+        entry = NamedSharding(mesh, PartitionSpec(*jax.typeof(table).sharding.spec[1:]))
+        if jax.typeof(update).sharding != entry:
+            update = jax.sharding.reshard(update, entry)
+    elif _explicit_mesh(update) is not None:
+        update = jax.sharding.reshard(update, jax.typeof(table).sharding)
     return lax.dynamic_update_index_in_dim(table, update, index, 0)
+
+
+def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
+    """`slot` whose table is sharded like values of `spec` (entries along a replicated
+    leading axis), where that sharding is part of the type (`Explicit` mesh axes): done
+    before the hit/miss branch, so that both branches return a table of one type. Its
+    other leaves are replicated over the same mesh (one set of devices per slot). Outside
+    a trace, the devices are those of the concrete `inputs` on that mesh."""
+    if spec.packed or not spec.types or spec.types[0].sharding is None:
+        return slot
+    sharding = spec.types[0].sharding
+    extra = (None,) * (slot.value.ndim - 1 - len(sharding.spec))  # complex parts, keys
+    want = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, *extra))
+    if jax.typeof(slot.value).sharding == want:
+        return slot
+    mesh = sharding.mesh
+    for x in inputs:  # eagerly: the concrete mesh the inputs live on
+        concrete = (
+            getattr(getattr(x, "sharding", None), "mesh", None) if is_concrete_array(x) else None
+        )
+        if concrete is not None and getattr(concrete, "abstract_mesh", None) == mesh:
+            mesh = concrete
+            break
+    want = NamedSharding(mesh, want.spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(name: str, x: Array) -> Array:
+        target = want if name == "value" else replicated
+        if is_concrete_array(x):
+            return jax.device_put(x, target)
+        return jax.sharding.reshard(x, target)
+
+    fields = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
+    return dataclasses.replace(slot, **{f: place(f, getattr(slot, f)) for f in fields})
 
 
 def invalidated(slot: Memo, when: Array | bool = True) -> Memo:
@@ -307,8 +389,9 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
         yield SlotSite(path, leaf, owner if path else None, field)
 
 
-def replace_slots(tree: PyTree, new: dict[Path, Memo]) -> PyTree:
-    """`tree` with the slots at the paths in `new` replaced."""
+def replace_slots(tree: PyTree, new: dict[Path, Memo | Hoisted]) -> PyTree:
+    """`tree` with the slots at the paths in `new` replaced (by slots, or by values read
+    ahead by `memox.hoist`)."""
     if not new:
         return tree
     items, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)

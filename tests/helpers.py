@@ -1,5 +1,7 @@
 """Shared test models and counters: real executions (not traces) and traces."""
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,16 @@ class Counter:
 
     def tick(self):
         jax.debug.callback(self._bump)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Executions inside (a reference computation) are not counted."""
+        n = self.n
+        try:
+            yield
+        finally:
+            jax.effects_barrier()
+            self.n = n
 
 
 class Foo(eqx.Module):

@@ -122,8 +122,31 @@ CHILD = textwrap.dedent(
         }
 
 
+    def explicit_reshard(placement):
+        # The same data resharded P('x', None) -> P(): sharding is part of the type on
+        # an Explicit mesh, so the key changes (a miss) and the value has the new type.
+        mesh = mesh_of("Explicit")
+        run = {
+            "eager": lambda m: memox.call(m, Layer.normalised),
+            "memox.jit": memox.jit(Layer.normalised),
+            "filter_jit": eqx.filter_jit(lambda m: memox.call(m, Layer.normalised)),
+        }[placement]
+        m = memox.init(Layer(jax.device_put(W, NamedSharding(mesh, P("x", None)))))
+        specs = []
+        for spec in (P("x", None), P(), P(), P("x", None)):
+            m = eqx.tree_at(lambda m: m.w, m, jax.sharding.reshard(m.w, NamedSharding(mesh, spec)))
+            value, m = run(m)
+            want = jax.typeof(jax.jit(_normalised)(m.w))
+            specs.append([str(jax.typeof(value)), str(want)])
+        stats = memox.stats(m)["cache"]
+        return {"types": specs, "counts": [int(stats.hits), int(stats.misses)],
+                "value_err": float(np.abs(np.asarray(value) - REF_VALUE).max())}
+
     results = {}
     parts = {
+        "reshard_eager": lambda: explicit_reshard("eager"),
+        "reshard_memox_jit": lambda: explicit_reshard("memox.jit"),
+        "reshard_filter_jit": lambda: explicit_reshard("filter_jit"),
         "jit_auto": lambda: jit_part("Auto"),
         "jit_explicit": lambda: jit_part("Explicit"),
         "shard_map": lambda: shard_map_part(True),
@@ -201,6 +224,18 @@ def test_collectives_of_the_hit_path(child):
 def test_explicit_mesh(child):
     part = _ok(child["jit_explicit"])
     assert part["y_err"] <= TOL and part["counts"] == [3, 1]
+
+
+# Regression guard: resharding a dependency on an Explicit mesh (same data) raised "cond
+# branches must have equal output types" under `memox.jit` and `eqx.filter_jit`, and
+# eagerly a hit returned the old sharding, which is part of the type there.
+@pytest.mark.parametrize("placement", ["eager", "memox_jit", "filter_jit"])
+def test_explicit_mesh_reshard(child, placement):
+    part = _ok(child[f"reshard_{placement}"])
+    for got, want in part["types"]:
+        assert got == want
+    assert part["value_err"] <= TOL
+    assert part["counts"] == [1, 3]  # P('x') fill, P() miss, P() hit, P('x') miss
 
 
 # Regression guard: inside `jax.shard_map` with `check_vma`, a hit passes the slot through

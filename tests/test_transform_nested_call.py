@@ -6,6 +6,7 @@ holds only the outer frame's writes."""
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 from helpers import Counter, Foo, Inner, Outer, foo, outer
 
 import memox
@@ -59,15 +60,16 @@ def test_same_module_inner_module_returned():
 
 def test_same_module_inner_module_used_in_outer_fn():
     # A module returned by the inner call is not threaded through the outer frame: its
-    # (filled) slot is not found there, so `m1.b()` simply computes. Exact, but the fill
-    # is not shared and the outer module records nothing.
+    # (filled) slot is not found there, so `m1.b()` computes, and memox warns. Exact, but
+    # the fill is not shared and the outer module records nothing.
     c = Counter()
 
     def fn(m):
         b1, m1 = memox.call(m, Foo.b)
         return b1 + m1.b()
 
-    out, f = _call(fn)(memox.init(foo(c)))
+    with pytest.warns(memox.UncachedWarning, match=r"`Foo.b` ran inside `memox.call` but"):
+        out, f = _call(fn)(memox.init(foo(c)))
     assert out == 2 * np.asarray(f.a).sum()
     assert c.n == 2 and _counts(f) == {"b_cache": (0, 0)}
 

@@ -1,0 +1,238 @@
+"""Planning a cached call: what the method reads, its static key, and its slot.
+
+A plan is made once per method and static key (`_key.py`: the module's structure and
+non-array parts, the types of all its arrays and arguments) and cached: the method is
+traced to a jaxpr with caching off, and dead-code elimination says which of the module's
+arrays reach its output. Those are its dependencies, whose values the dynamic part of the
+key fingerprints. The same trace gives the type of the value the slot will store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _context, _errors, _jax_internals
+from ._key import StaticKey, explicit_sharding, signature, static_key
+from ._policy import Policy
+from ._slot import Memo, Path, allocate, is_memo, path_name
+from ._storage import Spec, packed_size
+
+
+if TYPE_CHECKING:
+    from ._cached import CachedMethod
+    from ._flops import FlopCount
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """The skeleton of a module or argument pytree: its structure and its non-array
+    leaves. It holds no array (arrays may be tracers, and a skeleton outlives the trace
+    in the closures of the memoised operation): `split` hands the arrays out separately.
+    """
+
+    treedef: Any
+    statics: tuple[Any, ...]  # the leaf itself where static, else None
+    kinds: tuple[str, ...]  # "array", "memo" or "static", per leaf
+
+    @classmethod
+    def split(cls, tree: Any) -> tuple[Parts, list[Any]]:
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_memo)
+        kinds = tuple(
+            "memo" if is_memo(x) else "array" if eqx.is_array(x) else "static" for x in leaves
+        )
+        statics = tuple(x if k == "static" else None for x, k in zip(leaves, kinds))
+        arrays = [x for x, k in zip(leaves, kinds) if k == "array"]
+        return cls(treedef, statics, kinds), arrays
+
+    def rebuild(self, arrays: Sequence[Any], slots: Sequence[Any] | None = None) -> Any:
+        """The tree with these arrays, and these slots (default: empty ones)."""
+        arrays_, slots_ = iter(arrays), iter(slots or ())
+        out = []
+        for leaf, kind in zip(self.statics, self.kinds):
+            if kind == "array":
+                out.append(next(arrays_))
+            elif kind == "memo":
+                out.append(next(slots_) if slots is not None else Memo())
+            else:
+                out.append(leaf)
+        return jtu.tree_unflatten(self.treedef, out)
+
+    def key_parts(self) -> tuple[Any, ...]:
+        """What the static key takes from this skeleton: structure, leaf kinds, and the
+        non-array leaves (by equality)."""
+        statics = tuple(x for x, k in zip(self.statics, self.kinds) if k == "static")
+        return self.treedef, "".join(k[0] for k in self.kinds), statics
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """What a cached method does for one static key."""
+
+    used: tuple[int, ...]  # which of the module's arrays the method reads
+    nested: bool  # whether it calls other cached methods
+    spec: Spec  # what it returns
+    deps: Spec  # what it reads (the used arrays), for snapshots
+    key: StaticKey  # the static part of the cache key (its digest salts the fingerprint)
+    count: Any  # () -> FlopCount of one computation, nested cached methods included
+
+    @property
+    def salt(self) -> tuple[int, int]:
+        return self.key.digest
+
+    @functools.cached_property
+    def flops(self) -> FlopCount:
+        """FLOPs of one computation (counted on first request, never while caching)."""
+        return self.count()
+
+    def snapshot_bytes(self, policy: Policy) -> int:
+        return packed_size(self.deps) if policy.snapshots else 0
+
+
+_PLANS: dict[tuple[Any, StaticKey], Plan] = {}
+_MAX_PLANS = 4096
+_SUPPORTED = (jnp.bool_, jnp.integer, jnp.unsignedinteger, jnp.floating, jnp.complexfloating)
+
+
+def plan(
+    method: CachedMethod, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
+) -> Plan:
+    """The plan of `method` on a module and arguments of these skeletons and arrays.
+
+    Decides the static key (the rule of `_key.py`: the method and its policy, both
+    skeletons, and the type of every array, read or not) and, once per static key, by
+    tracing the method with caching off: which of the module's arrays it reads (the
+    dependencies), whether it calls other cached methods, and the type of its value.
+    """
+    policy = method.policy
+    key = static_key(
+        method,
+        (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy))),
+        module.key_parts(),
+        tuple(map(signature, arrays)),
+        args.key_parts(),
+        tuple(map(signature, arg_arrays)),
+    )
+    found = _PLANS.get((method, key))
+    if found is not None:
+        method.latest_plan = found
+        return found
+
+    def run(arrays: list[Any], arg_arrays: list[Any]) -> Any:
+        a, k = args.rebuild(arg_arrays)
+        return method.fn(module.rebuild(arrays), *a, **k)
+
+    # Traced on the arrays' own types (weak types, shardings, extended dtypes kept);
+    # nothing runs.
+    structs = [[_struct(x) for x in xs] for xs in (arrays, arg_arrays)]
+    with _context.active(_context.Plain()) as plain:
+        closed, out = jax.make_jaxpr(run, return_shape=True)(*structs)
+    for leaf in jtu.tree_leaves(out):
+        if not (_jax_internals.is_key(leaf.dtype) or _supported(leaf.dtype)):
+            raise TypeError(
+                _errors.UNSUPPORTED_DTYPE.format(method=method.qualname, dtype=leaf.dtype)
+            )
+    used_inputs = _jax_internals.used_inputs(closed)
+    used = tuple(i for i in range(len(arrays)) if used_inputs[i])
+    found = Plan(
+        used,
+        plain.nested,
+        Spec.of(out),
+        Spec.of([structs[0][i] for i in used]),
+        key,
+        functools.partial(_count, method, run, structs),
+    )
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[(method, key)] = found
+    method.latest_plan = found
+    return found
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        weak_type=bool(getattr(aval, "weak_type", False)),
+        sharding=sharding if explicit_sharding(aval) is not None else None,
+    )
+
+
+def _supported(dtype: Any) -> bool:
+    return any(jnp.issubdtype(dtype, t) for t in _SUPPORTED)
+
+
+def _count(method: CachedMethod, run: Any, structs: list[list[Any]]) -> FlopCount:
+    from ._flops import count_jaxpr
+
+    with _context.active(_context.Plain()):
+        return count_jaxpr(jax.make_jaxpr(run)(*structs))
+
+
+def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
+    """The plan of `method(owner)` (no FLOPs spent)."""
+    return plan(method, *Parts.split(owner), *Parts.split(((), {})))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a cached method found in a frame, planned, its slot fitted."""
+
+    method: CachedMethod
+    frame: _context.Frame
+    path: Path
+    module: Any
+    parts: Parts
+    arrays: list[Any]
+    arg_parts: Parts
+    arg_arrays: list[Any]
+    plan: Plan
+    slot: Memo
+
+    @classmethod
+    def prepare(
+        cls,
+        method: CachedMethod,
+        frame: _context.Frame,
+        path: Path,
+        module: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Call:
+        """Split the module and arguments, plan the method, and fit its slot."""
+        parts, arrays = Parts.split(module)
+        arg_parts, arg_arrays = Parts.split((args, kwargs))
+        the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
+        slot = fit(method, frame, path, frame.store[path], the_plan)
+        return cls(
+            method, frame, path, module, parts, arrays, arg_parts, arg_arrays, the_plan, slot
+        )
+
+
+def fit(
+    method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, the_plan: Plan
+) -> Memo:
+    """`slot` with room for the value of `the_plan`, allocated where the structure may
+    change; an error where it may not (inside a loop body, or another cached method)."""
+    snapshot_bytes = the_plan.snapshot_bytes(method.policy)
+    if slot.holds(the_plan.spec, snapshot_bytes):
+        return slot
+    where = dict(method=method.qualname, slot=path_name(path), new=the_plan.spec.describe())
+    if frame.method is not None:
+        raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))
+    # An empty slot is never a loop carry (its markers are not arrays), but an allocated
+    # one may be, and then it cannot change shape.
+    loop = _jax_internals.inside_loop_body()
+    if slot.allocated and loop is not None:
+        old = f"{slot.value.dtype}{list(slot.value.shape[1:])} (as stored)"
+        raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
+    return allocate(slot, the_plan.spec, snapshot_bytes)
