@@ -1,6 +1,9 @@
-"""Which JAX trace a value belongs to, and which inputs a jaxpr uses.
+"""Every JAX internal memox reads, each behind one function.
 
-With `_flops.py` (roofline's rule table), the only place memox reads JAX internals.
+Which trace a value belongs to, which inputs a jaxpr uses, a value's `shard_map`
+varying axes, a PRNG key's implementation, and weak types. Each is pinned by
+`tests/test_jax_internals.py` on every JAX in CI's matrix, so a rename fails there
+loudly rather than turning into a silent no-op.
 
 memox must refuse to store a tracer in a slot that lives at an outer level (a tracer
 leak), and must know when it runs inside a loop body, where a slot cannot change its
@@ -13,13 +16,17 @@ visible at that level" is a walk up that chain. Loop bodies are traced by a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend
 import numpy as np
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
+
+
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
 _LOOP_BODIES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
@@ -70,10 +77,9 @@ def lowered(value: Any) -> Any:
 
 def varying_axes(aval: Any) -> frozenset[Any]:
     """The `shard_map` mesh axes a value of type `aval` varies over (`check_vma`)."""
-    mat = getattr(aval, "mat", None)  # jax >= 0.10
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # jax < 0.10
+    if isinstance(aval, jax.core.ShapedArray):
+        return frozenset(aval.mat.varying)  # (`aval.vma` before jax 0.10)
+    return frozenset()
 
 
 def _varying(x: Any) -> frozenset:
@@ -82,7 +88,8 @@ def _varying(x: Any) -> frozenset:
 
 def is_key(dtype: Any) -> bool:
     """Whether `dtype` is a typed PRNG key's (an extended dtype)."""
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    # (Public, but `jax.dtypes` does not re-export it to type checkers.)
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def key_impl_name(dtype: Any) -> str:

@@ -46,13 +46,17 @@ import struct
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
 from . import _errors, _jax_internals
+
+
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
 # -- (1) the abstract type of an array -------------------------------------------------
@@ -137,7 +141,10 @@ class _Encoder:
 
     def encode(self, x: Any) -> None:
         kind = type(x)
-        if x is None or kind is bool:
+        plain = _plain_repr(x)
+        if plain is not None:  # the common case, in one step
+            self.tag(b"r", plain.encode("utf-8", "surrogatepass"))
+        elif x is None or kind is bool:
             self.tag(b"c", repr(x).encode())
         elif kind is int:
             self.tag(b"i", str(x).encode())
@@ -226,6 +233,20 @@ class _Encoder:
             raise TypeError(_errors.UNHASHABLE_STATIC.format(type=type(x).__qualname__)) from None
         self.local = True
         self.tag(b"L", struct.pack("<Q", number))
+
+
+_SCALARS = (type(None), bool, int, float, complex, str)
+
+
+def _plain_repr(x: Any) -> str | None:
+    """`repr(x)` where it is canonical (exact and type-distinguishing): for None, bools,
+    ints, floats, complex numbers and strings, and tuples of them. Else `None`."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return repr(x)
+    if kind is tuple and all(type(e) in _SCALARS or _plain_repr(e) is not None for e in x):
+        return repr(x)
+    return None
 
 
 def _is_concrete_jax_array(x: Any) -> bool:

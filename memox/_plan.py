@@ -111,15 +111,7 @@ def plan(
     tracing the method with caching off: which of the module's arrays it reads (the
     dependencies), whether it calls other cached methods, and the type of its value.
     """
-    policy = method.policy
-    key = static_key(
-        method,
-        (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy))),
-        module.key_parts(),
-        tuple(map(signature, arrays)),
-        args.key_parts(),
-        tuple(map(signature, arg_arrays)),
-    )
+    key = _static_key(method, module, arrays, args, arg_arrays)
     found = _PLANS.get((method, key))
     if found is not None:
         method.latest_plan = found
@@ -156,6 +148,45 @@ def plan(
     return found
 
 
+_KEYS: dict[tuple[Any, ...], StaticKey] = {}
+
+
+def _static_key(
+    method: CachedMethod, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
+) -> StaticKey:
+    """The static key of a call (`_key.py`), remembered per the same parts compared by
+    Python equality (the treedefs as `jax.jit` compares them, each non-array leaf with its
+    type, the arrays' avals), so that a repeated call does not encode it again."""
+    policy = method.policy
+    parts = (module.key_parts(), args.key_parts())
+    avals = tuple(map(_aval, arrays)), tuple(map(_aval, arg_arrays))
+    fast = (method, policy, *((p[0], p[1], tuple((type(x), x) for x in p[2])) for p in parts))
+    fast = (*fast, avals)
+    try:
+        found = _KEYS.get(fast)
+    except Exception:  # a part Python cannot hash or compare (e.g. a NumPy array)
+        fast, found = None, None
+    if found is None:
+        found = static_key(
+            method,
+            (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy))),
+            parts[0],
+            tuple(map(signature, arrays)),
+            parts[1],
+            tuple(map(signature, arg_arrays)),
+        )
+        if fast is not None:
+            if len(_KEYS) >= _MAX_PLANS:
+                _KEYS.clear()
+            _KEYS[fast] = found
+    return found
+
+
+def _aval(x: Any) -> Any:
+    aval = getattr(x, "aval", None)  # a `jax.Array` or a tracer: its abstract value
+    return aval if aval is not None else jax.typeof(x)
+
+
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     aval = jax.typeof(x)
     sharding = getattr(aval, "sharding", None)
@@ -187,7 +218,9 @@ def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
 class Call:
     """One call of a cached method found in a frame, planned, its slot fitted."""
 
-    method: CachedMethod
+    # (Of an `eqx.Module`: typed so, a checker reads the field as the method itself, not
+    # as bound to this object by the descriptor protocol: see `CachedMethod.__get__`.)
+    method: CachedMethod[eqx.Module, ..., Any]
     frame: _context.Frame
     path: Path
     module: Any

@@ -1,0 +1,144 @@
+"""Pins the JAX behaviour memox reads through `memox/_jax_internals.py`, one test per
+function, so that a rename or a change of meaning in a new JAX fails here (CI runs the
+oldest and the newest JAX memox declares) instead of making memox silently inert."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from memox import _jax_internals as internals
+
+
+def test_current_trace_and_lineage():
+    outer = internals.current()
+    outside = jnp.ones(())
+    seen = {}
+
+    @jax.jit
+    def f(x):
+        inner = internals.current()
+        seen["inner is outer"] = inner is outer
+        seen["visible outer value"] = internals.visible_at(outside, inner)
+        # A tracer of the inner trace is visible there, and not where the outer trace is
+        # current (storing it there would leak it).
+        seen["tracer inside"] = internals.visible_at(x, inner)
+        seen["tracer outside"] = internals.visible_at(x, outer)
+        return x
+
+    f(1.0)
+    assert seen == {
+        "inner is outer": False,
+        "visible outer value": True,
+        "tracer inside": True,
+        "tracer outside": False,
+    }
+
+
+def test_visible_through_nested_transformations():
+    results = {}
+
+    def outer_fn(x):
+        outer = internals.current()
+
+        def inner_fn(y):
+            results["outer value inside"] = internals.visible_at(x, internals.current())
+            results["inner value outside"] = internals.visible_at(y, outer)
+            return y
+
+        jax.vmap(inner_fn)(jnp.stack([x, x]))
+        return x
+
+    jax.jit(jax.grad(outer_fn))(1.0)
+    assert results == {"outer value inside": True, "inner value outside": False}
+
+
+@pytest.mark.parametrize(
+    "loop, name",
+    [
+        (lambda body: jax.lax.scan(lambda c, x: (body(c), x), 0.0, jnp.arange(2.0)), "scan"),
+        (lambda body: jax.lax.while_loop(lambda c: c < 2.0, body, 0.0), "while_body"),
+        (lambda body: jax.lax.fori_loop(0, 2, lambda i, c: body(c), 0.0), "fori_loop"),
+    ],
+)
+def test_inside_loop_body(loop, name):
+    seen = []
+
+    def body(c):
+        seen.append(internals.inside_loop_body())
+        return c + 1.0
+
+    loop(body)
+    assert seen and set(seen) == {name}
+
+
+def test_not_inside_a_loop_in_jit_or_eagerly():
+    seen = []
+    jax.jit(lambda x: (seen.append(internals.inside_loop_body()), x)[1])(1.0)
+    seen.append(internals.inside_loop_body())
+    assert seen == [None, None]
+
+
+def test_used_inputs_by_dead_code_elimination():
+    closed = jax.make_jaxpr(lambda a, b, c: a * 2.0 + jnp.zeros(b.shape[0] - 1, c.dtype))(
+        jnp.ones(2), jnp.ones(3), jnp.ones(4)
+    )
+    assert internals.used_inputs(closed) == [True, False, False]
+
+
+def test_lowered_unwraps_what_a_transformation_only_passed_through():
+    outside = jnp.ones(3)
+    seen = {}
+
+    def f(x):
+        passed = jax.vmap(lambda _: outside, axis_size=2)  # an unbatched value
+        seen["lowered is outer"] = internals.lowered(jnp.asarray(outside)) is outside
+        return passed(x)
+
+    f(jnp.ones(2))
+    assert seen["lowered is outer"]
+    values = {}
+
+    def g(x):
+        t = jax.jvp(lambda y: y * 0.0 + outside, (x,), (jnp.zeros(3),))[0]
+        values["type"] = type(internals.lowered(t)).__name__
+        return t
+
+    g(jnp.ones(3))
+    assert "JVP" not in values["type"]
+
+
+def test_varying_axes_inside_shard_map():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    seen = {}
+
+    def body(w, x):
+        seen["w"] = internals.varying_axes(jax.typeof(w))
+        seen["x"] = internals.varying_axes(jax.typeof(x))
+        return w
+
+    w = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P("x")))
+    x = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P()))
+    jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=True)
+    )(w, x)
+    assert seen == {"w": frozenset({"x"}), "x": frozenset()}
+    assert internals.varying_axes(jax.typeof(jnp.ones(2))) == frozenset()
+
+
+def test_prng_keys():
+    key = jax.random.key(3)
+    assert internals.is_key(key.dtype)
+    assert not internals.is_key(jnp.ones(2).dtype)
+    name = internals.key_impl_name(key.dtype)
+    data = jax.random.key_data(key)
+    again = jax.random.wrap_key_data(data, impl=name)
+    np.testing.assert_array_equal(jax.random.key_data(again), data)
+    assert again.dtype == key.dtype
+
+
+def test_weakly_typed():
+    x = internals.weakly_typed(jnp.float32(2.0))
+    assert jax.typeof(x).weak_type and x.dtype == jnp.float32
+    assert (jnp.ones(2, jnp.bfloat16) * x).dtype == jnp.bfloat16
