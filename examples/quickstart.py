@@ -8,6 +8,7 @@ tracing does not count. Every number in the table comes from that counter.
 
 import collections
 import functools
+import textwrap
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -140,7 +141,10 @@ def measure(ap: Approach, scenario: Callable, notes: list[str]) -> tuple[str, in
         stale = scenario(ap, ap.cls(jnp.ones((3, 3)))) or ""
         jax.effects_barrier()  # every pending callback has run
     except Exception as e:
-        notes.append(f"[{len(notes) + 1}] {ap.name}: {type(e).__name__}: {str(e)[:60]}...")
+        # The error's first line in full (JAX's first line says what went wrong), wrapped.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = f"[{len(notes) + 1}] {ap.name}: {type(e).__name__}: {first}"
+        notes.append(textwrap.fill(text, 88, subsequent_indent="    "))
         notes[-1] += f"\n    why: {WHY[ap.name, scenario]}" if (ap.name, scenario) in WHY else ""
         return f"error [{len(notes)}]", None, False
     n, traces = COUNTS["computed"], COUNTS["traces"]
