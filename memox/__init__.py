@@ -16,6 +16,7 @@ from ._call import (
     strip as strip,
 )
 from ._errors import UncachedWarning as UncachedWarning
+from ._filter_jit import filter_jit as filter_jit
 from ._flops import flops as flops
 from ._jit import jit as jit
 from ._scan import scan as scan

@@ -17,7 +17,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 import equinox as eqx
 
@@ -26,19 +26,29 @@ from ._memo import memoised
 from ._plan import Call
 from ._policy import Exact, Policy
 from ._slot import Hoisted, Memo, annotations_of, is_memo_annotation
+from ._typing import P, R
 
 
 if TYPE_CHECKING:
     from ._plan import Plan
 
+# The class a cached method is defined on (the type of its `self`).
+Owner = TypeVar("Owner")
+
 
 # -- the decorator --------------------------------------------------------------------
 
 
-class CachedMethod:
-    """A method bound to a `Memo` slot (what `memox.cached` returns)."""
+class CachedMethod(Generic[Owner, P, R]):
+    """A method bound to a `Memo` slot (what `memox.cached` returns).
 
-    def __init__(self, fn: Callable[..., Any], slot: str, policy: Policy):
+    Typed as the method it wraps: `CachedMethod[Foo, P, R]` for a method
+    `def m(self, *args: P.args, **kwargs: P.kwargs) -> R` of `Foo`. Read from the class
+    (`Foo.m`), it is itself, called as `Foo.m(foo, *args)`; read from an instance
+    (`foo.m`), a bound method `(*args: P.args, **kwargs: P.kwargs) -> R`.
+    """
+
+    def __init__(self, fn: Callable[Concatenate[Owner, P], R], slot: str, policy: Policy):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.slot = slot
@@ -65,10 +75,18 @@ class CachedMethod:
                 raise
             self.error = e
 
+    @typing.overload
+    def __get__(self, instance: None, owner: type | None = None) -> CachedMethod[Owner, P, R]: ...
+    @typing.overload
+    def __get__(self, instance: Owner, owner: type | None = None) -> Callable[P, R]: ...
+    @typing.overload  # held by an object of another class (a field of `_plan.Call`)
+    def __get__(
+        self, instance: object, owner: type | None = None
+    ) -> CachedMethod[Owner, P, R]: ...
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         return self if instance is None else types.MethodType(self, instance)
 
-    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, module: Owner, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.error is not None:
             raise self.error
         held = getattr(module, "__dict__", {}).get(self.slot)
@@ -105,16 +123,22 @@ class CachedMethod:
 
 # Parameters that memox validates itself, with messages that say what to do, are typed
 # for static checkers only: a runtime type checker would otherwise answer first.
-SlotName = str if typing.TYPE_CHECKING else Any
-PolicyArg = Policy | None if typing.TYPE_CHECKING else Any
+if TYPE_CHECKING:
+    SlotName: typing.TypeAlias = str
+    PolicyArg: typing.TypeAlias = Policy | None
+    MethodArg: typing.TypeAlias = CachedMethod[Any, ..., Any]  # an unbound cached method
+else:
+    SlotName = PolicyArg = MethodArg = Any
 
 
 @typing.overload
 def cached(
     slot: str, /, *, policy: Policy = ...
-) -> Callable[[Callable[..., Any]], CachedMethod]: ...
+) -> Callable[[Callable[Concatenate[Owner, P], R]], CachedMethod[Owner, P, R]]: ...
 @typing.overload
-def cached(slot: str, method: Callable[..., Any], /, *, policy: Policy = ...) -> CachedMethod: ...
+def cached(
+    slot: str, method: Callable[Concatenate[Owner, P], R], /, *, policy: Policy = ...
+) -> CachedMethod[Owner, P, R]: ...
 def cached(
     slot: SlotName, method: Callable[..., Any] | None = None, /, *, policy: PolicyArg = None
 ) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, overload
 
 import equinox as eqx
 import jax
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors
-from ._cached import CachedMethod, method_for
+from ._cached import CachedMethod, MethodArg, method_for
 from ._fingerprint import is_concrete_array
 from ._plan import plan_without_arguments
 from ._slot import (
@@ -30,18 +30,13 @@ from ._slot import (
     slot_sites,
     slots,
 )
+from ._typing import Fn, M, P, R
 
 
 if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
+
     from ._flops import FlopCount
-
-
-M = TypeVar("M")
-R = TypeVar("R")
-
-# Validated by `check_fn`, whose message says what to do; typed for static checkers only,
-# so that a runtime type checker does not answer first.
-Fn = Callable[..., R] if TYPE_CHECKING else Any
 
 
 def check_fn(api: str, fn: Any) -> None:
@@ -78,7 +73,9 @@ def allocate_plain_slots(module: M) -> M:
     return replace_slots(module, new)
 
 
-def call(module: M, fn: Fn, /, *args: Any, **kwargs: Any) -> tuple[R, M]:
+def call(
+    module: M, fn: Fn[Concatenate[M, P], R], /, *args: P.args, **kwargs: P.kwargs
+) -> tuple[R, M]:
     """Run `fn(module, *args, **kwargs)` with `module`'s cache slots live.
 
     **Arguments:**
@@ -116,15 +113,12 @@ def run(
     kwargs: dict[str, Any],
     *,
     discover: bool = False,
-    prehashed: dict[int, Any] | None = None,
 ) -> tuple[R, M, _context.Frame]:
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
     (slots revived and allocated) and the frame. With `discover`, cached methods only
-    allocate their slots (for `memox.init`); `prehashed` are fingerprints of input
-    tracers computed before the trace (by `memox.jit`)."""
+    allocate their slots (for `memox.init`)."""
     module = allocate_plain_slots(revive(module))
     frame = _context.Frame(module, discover=discover)
-    frame.prehashed = prehashed or {}
     with _context.active(frame):
         result = fn(module, *args, **kwargs)
     return result, module, frame
@@ -152,7 +146,11 @@ def revive(module: M) -> M:
     return replace_slots(module, new)
 
 
-def init(module: M, fn: Fn | None = None, /, *args: Any, **kwargs: Any) -> M:
+@overload
+def init(module: M, /) -> M: ...
+@overload
+def init(module: M, fn: Fn[Concatenate[M, P], Any], /, *args: P.args, **kwargs: P.kwargs) -> M: ...
+def init(module: M, fn: Fn[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
     """Allocate `module`'s slots without computing anything.
 
     **Arguments:**
@@ -229,7 +227,7 @@ def clear(module: M) -> M:
     return jtu.tree_map(lambda x: invalidated(x) if is_memo(x) else x, module, is_leaf=is_memo)
 
 
-def invalidate(module: M, /, *methods: Any, when: Any = True) -> M:
+def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
     """Invalidate the slots of some cached methods, where a condition holds.
 
     Unlike `memox.clear`, this takes a boolean array, so a traced loop can decide to
@@ -266,7 +264,7 @@ def invalidate(module: M, /, *methods: Any, when: Any = True) -> M:
     return replace_slots(module, new)
 
 
-def hoist(module: M, /, *methods: Any) -> M:
+def hoist(module: M, /, *methods: MethodArg) -> M:
     """Read cached values now, for a computation that `memox.call` cannot see into.
 
     Inside `memox.call` or `memox.jit`, a cached method called inside a transformation
@@ -389,7 +387,8 @@ def stats(module: Any) -> dict[str, SlotStats]:
         counts = (0, 0) if not slot.allocated else (slot.hits, slot.misses)
         count = _flops(site)
         flops, unknown = (None, {}) if count is None else (count.flops, dict(count.unknown))
-        out[path_name(site.path)] = SlotStats(*map(_concrete, counts), flops, unknown)
+        # (Checkers cannot count the items of a `map`: the two counts.)
+        out[path_name(site.path)] = SlotStats(*map(_concrete, counts), flops, unknown)  # pyright: ignore[reportCallIssue]
     return out
 
 

@@ -22,18 +22,20 @@ without a branch and leaves its entries untouched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax import lax
 
-from . import _jax_internals
+from . import _jax_internals, _prehash
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import ENTRY_FIELDS, Memo, Path, path_name, slot_sites, slots
+from ._slot import ENTRY_FIELDS, Memo, Path, entry, lookup, path_name, slot_sites, slots, touched
+from ._storage import Spec
 
 
 class Frame:
@@ -47,11 +49,6 @@ class Frame:
         self.method = method
         # Set by `memox.init`: cached methods allocate their slots and compute, no more.
         self.discover = discover
-        # Set by `memox.jit`: fingerprints of its input arrays computed before the call
-        # (by id of the input tracer: a fingerprint and whether it is known), and the
-        # ids of the arrays that cached methods fingerprinted (their dependencies).
-        self.prehashed: dict[int, tuple[Any, Any]] = {}
-        self.fingerprinted: set[int] = set()
         self.store: dict[Path, Memo] = {}
         self._by_key: dict[int, Path] = {}
         self._by_owner: dict[int, Path] = {}
@@ -96,21 +93,30 @@ class Frame:
 
     def fingerprint(self, x: Any) -> Any:
         """The fingerprint of array `x`: by identity if it has a value (hashed once per
-        array object), else a precomputed one where `memox.jit` passed it in, else
-        hashed in-graph."""
+        array object); for an input of a `memox.jit` or `memox.filter_jit` being traced,
+        the one computed outside where valid (`_prehash.lookup`); else hashed in-graph."""
         if is_concrete_array(x):
             return known(x)
-        self.fingerprinted.add(id(x))
-        pre = self.prehashed.get(id(x))
-        if pre is None:
-            return array_fingerprint(x)
-        fp, valid = pre
-        return lax.cond(valid, lambda x: fp, array_fingerprint, x)
+        pre = _prehash.lookup(x)
+        return array_fingerprint(x) if pre is None else pre
 
 
 class Pins:
-    """The slots of a loop carry (by path) that `memox.scan`'s body may read as loop
-    constants, and the cached calls that did while the body was traced.
+    """The slots of a `memox.scan` carry (by path) that the loop reads as loop constants,
+    and the cached calls on them while one trace of the body runs (see `_scan.py`).
+
+    Each trace of the body has its own, in one of three modes:
+
+    - `"probe"`: a cached call on a pinned slot is claimed and reads the table abstractly
+      (entry 0: the probe is traced for shapes and verdicts only).
+    - `"first"`: the first step, outside the loop, computes as `lax.scan`'s first step
+      (nothing is claimed, unless an enclosing `memox.scan` loop claims it) and records,
+      per pinned slot, the value its first call returned and the entry that now holds
+      it (`reads`): what every later step reads.
+    - `"loop"`: a claimed call returns the value recorded in the first step, a value of
+      the enclosing trace that the loop body closes over: a loop constant by
+      construction, whatever JAX's partial evaluation hoists. It touches the recorded
+      entry, so hit counters and ages advance as in `lax.scan`.
 
     A pin holds when, over the whole body, every call on the slot ran directly in the
     body (so in every step: not in a branch, a loop or a nested transformation), under
@@ -118,27 +124,86 @@ class Pins:
     same keyed inputs each time, and with everything it reads loop-invariant: a carry
     leaf the body passes through unchanged, or a value from outside the loop. The
     slot's entries must come out of the body as the very arrays that went in. Then the
-    value the method stored in the first step is the value of every later step, and
-    reading it depends on loop constants only.
+    value the method returned in the first step is the value of every later step.
     """
 
-    def __init__(self, carry: Any, allowed: frozenset[Path], outer: Any):
+    def __init__(
+        self,
+        carry: Any,
+        allowed: frozenset[Path],
+        outer: Any,
+        mode: str = "probe",
+        *,
+        reads: dict[Path, tuple[Any, Any]] | None = None,
+        enclosing: Pins | None = None,
+    ):
         self.trace = _jax_internals.current()
         self.outer = outer
+        self.mode = mode
         self.slots = {
             path: slot for path, slot in slots(carry).items() if path in allowed and slot.allocated
         }
         self._by_key = {id(slot.key): path for path, slot in self.slots.items()}
         self.carry = jtu.tree_leaves(carry)
         self.calls: dict[Path, list[tuple[list[Any], list[Any]]]] = {}
+        # Per pinned slot: the value the first step read and the index of its entry.
+        self.reads: dict[Path, tuple[Any, Any]] = dict(reads or {})
+        self.enclosing = enclosing
+        self._unread: set[Path] = set()  # claimed in the loop, but not read in the first step
+
+    def _path(self, slot: Memo) -> Path | None:
+        return self._by_key.get(id(slot.key)) if slot.allocated else None
 
     def claim(self, slot: Memo, max_age: int | None, reads: list[Any], keyed: list[Any]) -> bool:
-        """Whether a cached call on `slot` reads it as a loop constant (and record it)."""
-        path = self._by_key.get(id(slot.key)) if slot.allocated else None
+        """Whether a cached call on `slot` reads it as a loop constant (and record it).
+        If so, the call's value and slot are `read(slot, spec)`."""
+        if self.mode == "first":
+            return self.enclosing is not None and self.enclosing.claim(slot, max_age, reads, keyed)
+        path = self._path(slot)
         if path is None or max_age is not None or _jax_internals.current() is not self.trace:
             return False
         self.calls.setdefault(path, []).append((reads, keyed))
         return True
+
+    def read(self, slot: Memo, spec: Spec) -> tuple[Any, Memo]:
+        """The value of a claimed call on `slot` (holding values of `spec`), and the slot
+        after it: entries passed on as the very arrays that came in, counters touched."""
+        value, index = self._read(slot, spec)
+        after = touched(slot, index)  # (jitted: its outputs are new arrays)
+        return value, dataclasses.replace(after, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+
+    def _read(self, slot: Memo, spec: Spec) -> tuple[Any, Any]:
+        path = self._path(slot)
+        if self.mode == "first":  # claimed by the enclosing loop: record what it read
+            assert self.enclosing is not None
+            value, index = self.enclosing._read(slot, spec)
+            self._record(path, value, index)
+            return value, index
+        if self.mode == "loop":
+            assert path is not None  # (claimed)
+            if path in self.reads:
+                return self.reads[path]
+            self._unread.add(path)  # the pin fails; read something of the right type
+        index = jnp.zeros((), jnp.int32)
+        return entry(slot, index, spec), index
+
+    def filled(self, slot: Memo, new: Memo, key: Any, value: Any) -> None:
+        """Told of a cached call on `slot` that was not claimed: it returned `value` and
+        left `new`, where the entry holding `key` holds it. In the first step, the first
+        such call on a pinned slot is what the loop will read."""
+        if self.mode != "first":
+            return
+        if self.enclosing is not None:
+            self.enclosing.filled(slot, new, key, value)
+        path = self._path(slot)
+        if path is not None and path not in self.reads:
+            _, index = lookup(new, key, jnp.ones_like(new.valid))
+            self._record(path, value, index)
+
+    def _record(self, path: Path | None, value: Any, index: Any) -> None:
+        # Only a call made directly in the body runs in every step.
+        if path is not None and _jax_internals.current() is self.trace:
+            self.reads.setdefault(path, (value, index))
 
     def holding(self, carry_out: Any) -> tuple[frozenset[Path], frozenset[Path]]:
         """The pins that held in a body returning `carry_out`, and those that did not.
@@ -158,7 +223,8 @@ class Pins:
                 for _, k in calls
             )
             return (
-                isinstance(after, Memo)
+                path not in self._unread
+                and isinstance(after, Memo)
                 and all(getattr(slot, f) is getattr(after, f) for f in ENTRY_FIELDS)
                 and same_keys
                 and all(invariant(x) for reads, _ in calls for x in reads)
@@ -167,6 +233,7 @@ class Pins:
         verdicts = {path: holds(path, calls) for path, calls in self.calls.items()}
         self.calls.clear()
         self.carry = []
+        self.reads = {}
         held = frozenset(p for p, ok in verdicts.items() if ok)
         return held, frozenset(verdicts) - held
 
@@ -194,8 +261,11 @@ def top() -> Frame | Plain | None:
     return stack[-1] if stack else None
 
 
+_F = TypeVar("_F", bound="Frame | Plain")
+
+
 @contextlib.contextmanager
-def active(frame: Frame | Plain) -> Iterator[Frame | Plain]:
+def active(frame: _F) -> Iterator[_F]:
     stack = _stack()
     stack.append(frame)
     try:

@@ -6,30 +6,55 @@ It costs O(1) memory per slot (no copy of the dependencies) and one fused pass o
 dependencies' bytes per check.
 
 The dynamic part (array dependencies and array arguments) is hashed in-graph, array by
-array. Each 32-bit word `w_i` of an array's bit pattern is mixed once and summed into
-two lanes, and the arrays' fingerprints are then chained:
+array. Word `w_i` of an array's bit pattern (32 bits; narrower elements widened, one per
+word) is keyed by its position, mixed, and summed into two lanes; the arrays'
+fingerprints are then chained:
 
-    m_i   = fmix(w_i * A + i * B)                   (MurmurHash3's 32-bit finaliser)
-    f     = (fmix(n ^ sum_i m_i), fmix(n ^ C ^ sum_i m_i * ((i * C) | 1)))   (mod 2**32)
-    key   = chain over arrays j: lane -> fmix(lane * A + f_j + j), from the salt
+    k_i   = i * K                                   (K odd: the position key)
+    m_i   = mix(w_i + k_i)
+    f     = (mix(n ^ sum_i m_i), mix(n ^ C ^ sum_i m_i * (k_i | 1)))    (mod 2**32)
+    key   = chain over arrays j: lane -> mix(lane * A + f_j + j), from the salt
 
-`fmix` and `w -> w * A + c` (odd `A`) are bijections, so changing any single element
-changes `m_i` and therefore lane 0 of its array, and every chaining step is a bijection
-too: a one-element change is detected with certainty. For a random change of two or more
-elements the mixed differences are pseudo-random, each lane collides with probability
-about 2**-32, and the two lanes weight them differently (odd, position-dependent
-multipliers in lane 1): about 2**-64 in all.
+where `mix` is a two-round xorshift-multiply finaliser (`x ^= x >> 16; x *= 0x21F0AAAD;
+x ^= x >> 15; x *= 0x735A2D97; x ^= x >> 15`, C. Wellons' hash-prospector search).
 
-Cost: one pass over the dependencies' bytes, about a dozen integer operations per word.
-On a 2-core CPU that is ~2 ns per 4-byte word (XLA:CPU's integer loops are far slower
-than its float ones: a 64 MB dependency costs ~30 ms to check, a float sum of it ~2 ms).
+**Guarantees.** `mix` (xorshifts and odd multiplications) and `w -> w + k` are
+bijections of 32-bit words, so changing any single element changes its `m_i` and
+therefore lane 0 of its array; every chaining step is a bijection too: a one-element
+change is detected with certainty. For a random change of two or more elements the mixed
+differences are pseudo-random: lane 0 collides with probability about 2**-32, and lane 1
+weights them by distinct odd multipliers, so that both collide with probability about
+2**-64 in all. (For exactly two changed positions a distance `d` apart, lane 1 loses the
+trailing zero bits of `d`: 2**-(64 - v) with `v` those bits, e.g. 2**-54 for two cells
+of one column of a 1024-wide matrix.)
+
+**Cost: one fused pass near memory bandwidth.** The two lanes are one *variadic*
+reduction (`lax.reduce` over both at once) over the trailing axes of the words as they
+lie, the position key computed from each axis' index: XLA fuses the bit-cast, the keys,
+the mix and both sums into a single loop that reads each word once (on CPU, split
+across threads over the leading axis); the per-row lanes are then summed plainly. Two
+separate sums over the whole array (`jnp.sum`) do not fuse on XLA:CPU: its
+tree-reduction rewrite (not applied to variadic reductions) turns each into
+`reduce-window`s over a materialised operand, so the bit-cast array and the mixed array
+were written out whole (64 MB float32: ~30 ms, against ~2.5 ms for a float sum of the
+same array; now ~3 ms, see `benchmarks/s10_finetune.py`). No reshape: a sharded array is
+reduced where it lies, and a row-sharded one needs one all-reduce of the two lanes.
+Integer addition is associative: the NumPy version (`host_fingerprint`) sums the flat
+array to the same bits.
+
+**Versions.** Fingerprints are not stable across memox versions: this hash replaced the
+earlier mix (MurmurHash3's finaliser of `w_i * A + i * B`) after memox 0.1.0. A slot
+filled by another version (restored from a checkpoint) does not match and recomputes
+once: never stale, only one miss.
 
 Fingerprints are computed per array and combined (`combine`). A concrete array's
-fingerprint is kept by identity (`known`): an eager `memox.call`, or `memox.jit`, hashes
-an unchanged dependency once, not at every check; inside a user's own `jit` the
-dependencies are tracers and are hashed in-graph. A small concrete array is hashed in
-NumPy (`host_fingerprint`, the same bits): compiling the XLA hash for each new shape
-took ~0.6 s on the third `memox.jit` call of a model with three small dependencies.
+fingerprint is kept by identity (`known`): an eager `memox.call`, `memox.jit` or
+`memox.filter_jit` hashes an unchanged dependency once, not at every check; inside a
+user's own `jit` the dependencies are tracers and are hashed in-graph, unless a
+`prehash` scope (`memox.jit`, `memox.filter_jit`) brought their fingerprints in. A small
+concrete array is hashed in NumPy (`host_fingerprint`, the same bits): compiling the XLA
+hash for each new shape took ~0.6 s on the third `memox.jit` call of a model with three
+small dependencies.
 
 The static part of the key (`_key.py`: the method, the module's structure and non-array
 parts, the types of all arrays) enters as the salt: a compile-time constant.
@@ -40,29 +65,31 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from jax import lax
 from jaxtyping import Array, UInt32
 
 from ._storage import as_data
 
 
-_A, _B, _C = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
-_FMIX = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
-def _u32(value: int) -> Array:
-    return jnp.uint32(value & 0xFFFFFFFF)
+_K, _A, _C = 0x9E3779B1, 0x85EBCA77, 0x27D4EB2F
+_MIX = (16, 0x21F0AAAD, 15, 0x735A2D97, 15)
 
 
-def _fmix(h: Array | np.ndarray, u32: Callable[[int], Any] = _u32) -> Array | np.ndarray:
-    """MurmurHash3's finaliser, elementwise (`u32` makes the constants: `jnp` or NumPy)."""
-    s1, m1, s2, m2, s3 = _FMIX
+def _mix(h: Any, u32: Any) -> Any:
+    """The 32-bit finaliser, elementwise (`u32` makes the constants: `jnp.uint32` or
+    `np.uint32`; the arithmetic is modulo 2**32 in both)."""
+    s1, m1, s2, m2, s3 = _MIX
     h = h ^ (h >> u32(s1))
     h = h * u32(m1)
     h = h ^ (h >> u32(s2))
@@ -70,53 +97,82 @@ def _fmix(h: Array | np.ndarray, u32: Callable[[int], Any] = _u32) -> Array | np
     return h ^ (h >> u32(s3))
 
 
-def _mix(w: Array | np.ndarray, xp: types.ModuleType) -> Array | np.ndarray:
-    """The fingerprint of a vector of 32-bit words, with `xp` = `jnp` or NumPy (the
-    same arithmetic modulo 2**32, so the same bits)."""
+def _terms(w: Any, key: Any, u32: Any) -> tuple[Any, Any]:
+    """The summands of both lanes for words `w` at position keys `key` (= i * K)."""
+    m = _mix(w + key, u32)
+    return m, m * (key | u32(1))
+
+
+def _finish(lane0: Any, lane1: Any, n: int, xp: types.ModuleType) -> Any:
     u32 = xp.uint32
-    position = xp.arange(w.size, dtype=u32)
-    mixed = _fmix(w * u32(_A) + position * u32(_B), u32)
-    lane0 = xp.sum(mixed, dtype=u32)
-    lane1 = xp.sum(mixed * ((position * u32(_C)) | u32(1)), dtype=u32)
-    size = u32(w.size & 0xFFFFFFFF)
-    return _fmix(xp.stack([lane0 ^ size, lane1 ^ size ^ u32(_C)]), u32)
+    size = u32(n & 0xFFFFFFFF)
+    return _mix(xp.stack([lane0 ^ size, lane1 ^ size ^ u32(_C)]), u32)
 
 
-def words(x: Array) -> UInt32[Array, " n"]:
-    """The bit pattern of `x` as a flat vector of 32-bit words (a typed PRNG key's:
-    its `key_data`'s)."""
+def _sum2(a: Array, b: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
+    """Both lanes' sums in ONE variadic reduction: XLA fuses it with the words' mix."""
+    zero = jnp.uint32(0)
+    return lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), axes)
+
+
+def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
+    """The fingerprint of words `w` (any shape; position = row-major index)."""
+    u32 = jnp.uint32
+    if w.ndim == 0:
+        w = w.reshape(1)
+    # k_i for the row-major index i = sum_d index_d * stride_d, as
+    # sum_d index_d * (stride_d * K): the same value mod 2**32, and no reshape (a reshape
+    # of a sharded array may need its data moved).
+    key, stride = None, 1
+    for axis in reversed(range(w.ndim)):
+        term = lax.broadcasted_iota(u32, w.shape, axis) * u32((stride * _K) & 0xFFFFFFFF)
+        key = term if key is None else key + term
+        stride *= w.shape[axis]
+    # One fused pass over the trailing axes (on CPU split across threads over the
+    # leading one), then the leading axis summed plainly: where that axis is sharded (as
+    # parameters usually are), XLA combines both sums into one all-reduce of two words.
+    lane0, lane1 = _sum2(*_terms(w, key, u32), tuple(range(1, w.ndim)) or (0,))
+    if w.ndim > 1:
+        lane0, lane1 = jnp.sum(lane0, dtype=u32), jnp.sum(lane1, dtype=u32)
+    return _finish(lane0, lane1, w.size, jnp)
+
+
+def words(x: Array) -> UInt32[Array, "*words"]:
+    """The bit pattern of `x` as 32-bit words, in row-major order (a typed PRNG key's:
+    its `key_data`'s; elements narrower than 32 bits widened, one per word; wider ones
+    and complex numbers split along a new last axis)."""
     x = as_data(jnp.asarray(x))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).reshape(-1)
+        return x.astype(jnp.uint32)
     size = np.dtype(x.dtype).itemsize
     if size >= 4:
-        return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-    narrow = lax.bitcast_convert_type(x, np.dtype(f"uint{8 * size}"))
-    return narrow.astype(jnp.uint32).reshape(-1)
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type(x, np.dtype(f"uint{8 * size}")).astype(jnp.uint32)
 
 
 @jax.jit
 def array_fingerprint(x: Array) -> UInt32[Array, 2]:
     """The 64-bit fingerprint of one array's bits (its shape and dtype are in the salt)."""
-    return _mix(words(lax.stop_gradient(x)), jnp)
+    return _device_fingerprint(words(lax.stop_gradient(x)))
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
     """One fingerprint of several arrays' fingerprints, in order, salted.
 
-    Each step `lane -> fmix(lane * A + f + j)` is a bijection of both `lane` and `f`, so
+    Each step `lane -> mix(lane * A + f + j)` is a bijection of both `lane` and `f`, so
     a change of any one array's fingerprint changes the result."""
-    lane0, lane1 = _u32(salt[0]), _u32(salt[1])
+    u32 = jnp.uint32
+    lane0, lane1 = u32(salt[0] & 0xFFFFFFFF), u32(salt[1] & 0xFFFFFFFF)
     for j, f in enumerate(fingerprints):
-        lane0 = _fmix(lane0 * _u32(_A) + f[0] + _u32(j))
-        lane1 = _fmix(lane1 * _u32(_C) + f[1] + _u32(j))
+        lane0 = _mix(lane0 * u32(_A) + f[0] + u32(j), u32)
+        lane1 = _mix(lane1 * u32(_C) + f[1] + u32(j), u32)
     return jnp.stack([lane0, lane1])
 
 
-def _host_words(x: np.ndarray) -> np.ndarray:
+def _host_words(x: npt.NDArray[np.generic]) -> np.ndarray:
     """`words`, in NumPy (the same bits in the same order)."""
     if np.iscomplexobj(x):
         x = np.stack([x.real, x.imag], axis=-1)
@@ -133,7 +189,11 @@ def host_fingerprint(x: np.ndarray) -> np.ndarray:
 
     For small arrays, where compiling `array_fingerprint` for a new shape costs far more
     than hashing on the host."""
-    return _mix(_host_words(np.asarray(x)), np)
+    w = _host_words(np.asarray(x))
+    u32 = np.uint32
+    m0, m1 = _terms(w, np.arange(w.size, dtype=u32) * u32(_K), u32)
+    lanes = np.sum(m0, dtype=u32), np.sum(m1, dtype=u32)
+    return _finish(np.asarray(lanes[0]), np.asarray(lanes[1]), w.size, np)
 
 
 def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:

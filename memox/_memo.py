@@ -11,8 +11,9 @@ For a planned call (`_plan.py`), `memoised` runs one operation:
    from the slot. A hit therefore skips the computation at run time. Cached methods
    reached inside the miss branch get a frame of their own, with the slots below this
    module threaded through the branch, so nested caches fill once. In the loop of a
-   `memox.scan`, a slot the loop cannot change is *pinned*: read with no branch (a hit
-   by construction), its entries passed on as the arrays that came in.
+   `memox.scan`, a slot the loop cannot change is *pinned*: its value is the one the
+   first step returned, closed over by the loop body (`_context.Pins.read`), with no
+   fingerprint and no branch (a hit by construction).
 3. **Differentiate**: the operation is a `jax.custom_jvp` with symbolic zeros. When no
    dependency or argument carries a tangent (a frozen part) it is the branch above and
    its tangent is a symbolic zero: a hit recomputes nothing, even under `jax.grad`.
@@ -22,9 +23,8 @@ For a planned call (`_plan.py`), `memoised` runs one operation:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,6 @@ from ._fingerprint import combine
 from ._plan import Call
 from ._policy import fresh
 from ._slot import (
-    ENTRY_FIELDS,
     Memo,
     Path,
     conformed,
@@ -50,6 +49,10 @@ from ._slot import (
     touched,
 )
 from ._storage import as_data, pack, retyped, unpack
+
+
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
 def memoised(call: Call) -> Any:
@@ -68,7 +71,10 @@ def memoised(call: Call) -> Any:
     keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
     # In a `memox.scan` body, a slot the loop cannot change is read without a branch.
     pins = _context.pins()
-    pinned = pins is not None and pins.claim(slot, policy.max_age, [*deps, *arg_arrays], keyed)
+    if pins is not None and pins.claim(slot, policy.max_age, [*deps, *arg_arrays], keyed):
+        value, slot = pins.read(slot, the_plan.spec)  # a hit by construction (`_scan.py`)
+        frame.write(path, slot, method.qualname)
+        return value
     # A method that calls other cached methods threads the slots below its module (but
     # its own) through its miss branch, so that those fill in the same computation.
     owner_path = path[:-1]
@@ -119,8 +125,6 @@ def memoised(call: Call) -> Any:
             snapshots = [as_data(s) for s in snapshots]
         reusable = fresh(policy, slot.age, [as_data(d) for d in deps], snapshots)
         hit, index = lookup(slot, key, reusable)
-        if pinned:  # a hit by construction (see `_scan.py`)
-            return entry(slot, index, the_plan.spec), touched(slot, index), sub
         slot, sub = _jax_internals.varying_like((slot, sub), (deps, others, arg_arrays, key))
         operands = (index, deps, others, arg_arrays, slot, sub, key)
         if isinstance(hit, jax.core.Tracer):
@@ -152,9 +156,8 @@ def memoised(call: Call) -> Any:
     memo.defjvp(tangent_rule, symbolic_zeros=True)
     key = combine([frame.fingerprint(x) for x in keyed], the_plan.salt)
     value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub, key)
-    if pinned:  # the entries pass through as the very arrays that came in
-        new_slot = dataclasses.replace(new_slot, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
-        new_sub = sub
+    if pins is not None:  # the first step of a `memox.scan`: what its loop will read
+        pins.filled(slot, new_slot, key, value)
     frame.write(path, new_slot, method.qualname)
     for p, s in zip(sub_paths, new_sub):
         frame.write(p, s, method.qualname)
@@ -174,7 +177,8 @@ def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
     out = []
     for t, x in zip(tangents, primals):
         if isinstance(t, SymbolicZero):
-            dtype = t.aval.dtype
+            # (JAX types `aval` as `AbstractValue`; a zero of an array has a `ShapedArray`.)
+            dtype = t.aval.dtype  # pyright: ignore[reportAttributeAccessIssue]
             t = (
                 np.zeros(x.shape, dtype)
                 if dtype == jax.dtypes.float0

@@ -1,38 +1,67 @@
-"""`memox.scan`: `jax.lax.scan`, with cached values the loop does not change hoisted.
+"""`memox.scan`: `jax.lax.scan`, with cached values the loop does not change read as
+loop constants.
 
 Inside `lax.scan`, a cached value is read from a slot in the carry, and the carry may
 change every step. So when the loop is differentiated, JAX saves the value once per step
 for the backward pass (`T` copies of a Cholesky factor), where the unmemoized loop
-computes the factor from loop constants and saves it once: JAX hoists a residual out of
-a loop only when it depends on the loop's constants alone, and only a carry the body
-passes through unchanged becomes a constant (`jax/_src/lax/control_flow/loops.py`:
-`_scan_impl`'s `move_to_const`, `_scan_partial_eval`'s loop-invariant residuals). A slot
-that the first step fills is not passed through unchanged; no rewriting inside the body
-can make it so.
+computes the factor from loop constants and saves it once. A slot that the first step
+fills is not passed through unchanged; no rewriting inside the body can make it so.
 
-`memox.scan` moves the fill before the loop instead:
+**Why the loop must not rely on JAX hoisting the read** (jax 0.12 lost it). Under
+`grad`, `_scan_linearize` partially evaluates the body again with only the loop's
+constants known (`_scan_known_hoisting` in `jax/_src/lax/control_flow/loops.py`) and
+hoists the residuals that come out known. A pinned read used to be `entry(table,
+lookup(key))` inside the cached call's `custom_jvp`, with the table's entries made
+constants by `lax.scan`'s `move_to_const`; but the same `custom_jvp_call` also takes the
+slot's hit counters, which are carried and change every step. jax 0.10's
+`JaxprTrace.process_custom_jvp_call` inlined the primal of a `custom_jvp` whose operands
+were partly unknown, so the read, from constants only, came out known and was hoisted;
+jax 0.12's stages the whole call as one equation, unknown as soon as one operand is, so
+the value became a per-step residual: 21.5x the unmemoized loop's temporaries (0.10's
+rule patched into 0.12 gives 1.07x again).
+
+So `memox.scan` makes the value a loop constant by construction:
 
 1. **Probe**: trace the body once, abstractly, with every allocated slot of the carry
    pinned (`_context.Pins`), and keep the pins that held: slots whose every read depends
    on loop-invariant values only and whose entries the body passes through unchanged.
 2. **First step**: run the body on the first element outside the loop. It fills the
-   pinned slots exactly as `lax.scan`'s first step would.
-3. **The rest**: `lax.scan` over the remaining elements with the pins. A pinned read is
-   `entry(table, lookup(key))` with no branch: a hit by construction, since nothing it
-   depends on changes and nothing in the body writes the slot. Its entries come out of
-   the body as the arrays that went in, so `lax.scan` makes them loop constants, and the
-   read itself becomes a loop-invariant residual, saved once. Hit counters stay in the
-   carry, so `memox.stats` counts every read.
+   pinned slots exactly as `lax.scan`'s first step would, and records, per pinned slot,
+   the value its first call returned and the entry that holds it.
+3. **The rest**: `lax.scan` over the indices of the other elements (the body reads them
+   from `xs`, closed over: slicing `xs` would copy it). The pinned slots' entries
+   (`value`, `valid`, `key`, `snapshot`) leave the carry: the body closes over them and
+   rebuilds each slot from them and its carried counters, and they are put back after
+   the loop. A pinned call returns the first step's value, closed over by the body, and
+   touches its entry (counters stay in the carry: `memox.stats` counts every read). No
+   fingerprint, lookup or branch runs in the loop, and no residual depends on a
+   per-step value: under `grad` the value is a loop constant, saved once, whatever JAX's
+   partial evaluation hoists.
 
-Results, gradients and counts are those of `lax.scan(f, init, xs)`. The body is traced
-three times and compiled twice (the first step and the loop) when some slot is pinned,
-and `lax.scan` is called directly when none is.
+Counts are those of `lax.scan(f, init, xs)`, and results and gradients are its values
+computed in another order, not always bit for bit:
+
+- the first step is compiled outside a loop, and XLA may run the same operation with
+  another kernel there: on jax 0.12's XLA:CPU a `dot` gives other bits at the top level
+  than inside a `while` body (a matrix-vector product: the two differ by a summation
+  order, below 2^-24 * sum |w_i x_i| per element; jax 0.10.2's XLA gives the same bits),
+  and the difference goes on through the carry. Running the first step as a one-step
+  `lax.scan` does not help: XLA removes a loop of one trip.
+- a value whose dependencies carry a tangent is computed once, in the first step, and
+  its cotangents are summed over the steps before being pulled back through the method
+  once, where `lax.scan` pulls back each step's and sums those: the same sum,
+  associated differently (a few ulps).
+
+Where neither applies (elementwise bodies, frozen modules) they are bitwise equal. The
+body is traced three times and compiled twice (the first step and the loop) when some
+slot is pinned, and `lax.scan` is called directly when none is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -41,21 +70,19 @@ import numpy as np
 from jax import lax
 
 from . import _context, _errors, _jax_internals
-from ._slot import Path, slots
+from ._slot import ENTRY_FIELDS, Memo, Path, replace_slots, slots
+from ._typing import Fn
 
 
 C = TypeVar("C")
+X = TypeVar("X")
 Y = TypeVar("Y")
-
-# Validated with a message that says what to do; typed for static checkers only, so that
-# a runtime type checker does not answer first.
-Body = Callable[[C, Any], tuple[C, Y]] if TYPE_CHECKING else Any
 
 
 def scan(
-    f: Body,
+    f: Fn[[C, X], tuple[C, Y]],
     init: C,
-    xs: Any = None,
+    xs: X | None = None,
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
@@ -67,11 +94,15 @@ def scan(
     passed through the carry unchanged, or come from outside the loop) are computed in
     the first step, run outside the loop, and read as loop constants in the others.
     Under `jax.grad` the loop then keeps one copy of such a value for the backward pass,
-    not one per step, as the same loop without memox does; a hit also costs no branch
-    and no copy of the slot.
+    not one per step, as the same loop without memox does: the loop body closes over
+    the value, whatever JAX's partial evaluation hoists. A hit in the loop costs no
+    fingerprint, no branch and no copy of the slot.
 
-    Results, gradients and `memox.stats` counts are those of `jax.lax.scan`. Where no
-    slot can be hoisted, this is `jax.lax.scan`.
+    Results, gradients and `memox.stats` counts are those of `jax.lax.scan`, results
+    and gradients up to rounding: the first step is compiled outside the loop, where
+    XLA may pick other kernels (a dot product summed in another order), and a hoisted
+    value's cotangents are summed over the steps before being pulled back through the
+    method once. Where no slot can be hoisted, this is `jax.lax.scan`.
 
     **Arguments:** as for `jax.lax.scan`.
 
@@ -106,15 +137,70 @@ def scan(
 
     first = n - 1 if reverse else 0
     init = jtu.tree_map(_as_array, init)  # as `lax.scan` would pass them to `f`
-    carry, y_first = f(init, jtu.tree_map(lambda x: x[first], xs))
-    rest = jtu.tree_map(lambda x: x[:-1] if reverse else x[1:], xs)
+    recorder = _context.Pins(init, pins, outer, "first", enclosing=_context.pins())
+    with _context.pinning(recorder):
+        carry, y_first = f(init, jtu.tree_map(lambda x: jnp.asarray(x)[first], xs))
+    reads, recorder = recorder.reads, None
+    pins = pins.intersection(reads)
+    # The other elements, by index: slicing `xs` would copy it.
+    rest = jnp.arange(n - 1) if reverse else jnp.arange(1, n)
     while True:  # the pins held in the probe; they hold here unless `f` traces differently
-        try:
-            carry, ys = lax.scan(_pinned(f, pins, outer), carry, rest, n - 1, reverse, unroll)
+        carry_out, ys, failed = _loop(f, carry, xs, rest, reverse, unroll, pins, reads, outer)
+        if not failed:
             break
-        except _Unpinned as e:
-            pins = pins - e.failed
-    return carry, jtu.tree_map(lambda a, b: _stack(a, b, reverse), y_first, ys)
+        pins = pins - failed  # (the loop traced is discarded: dead code under `jit`)
+    return carry_out, jtu.tree_map(lambda a, b: _stack(a, b, reverse), y_first, ys)
+
+
+def _loop(
+    f: Callable,
+    carry: Any,
+    xs: Any,
+    steps: Any,
+    reverse: bool,
+    unroll: int | bool,
+    pins: frozenset[Path],
+    reads: dict[Path, tuple[Any, Any]],
+    outer: Any,
+) -> tuple[Any, Any, frozenset[Path]]:
+    """`lax.scan(f, carry, xs[steps], reverse=reverse, unroll=unroll)` with the slots at
+    `pins` pinned: the first step's `reads` and the slots' entries are closed over by the
+    body, not carried. Also returns the pins that did not hold (then the results are not
+    those of `f`)."""
+    entries = {path: slot for path, slot in slots(carry).items() if path in pins}
+    verdicts: list[tuple[frozenset[Path], frozenset[Path]]] = []
+    body = _pinned(f, pins, outer, verdicts, reads) if pins else f
+
+    # A trace that raises keeps what its body closed over alive (JAX cleans a trace up
+    # when it returns), so a pin that does not hold is reported, never raised.
+    def loop_body(c: Any, i: Any) -> Any:
+        x = jtu.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+        c_out, y = body(_with_entries(c, entries), x)
+        return _without_entries(c_out, pins), y
+
+    carry, ys = lax.scan(loop_body, _without_entries(carry, pins), steps, None, reverse, unroll)
+    failed = frozenset().union(*(failed for _, failed in verdicts))
+    return _with_entries(carry, entries), ys, failed
+
+
+def _without_entries(tree: Any, pins: frozenset[Path]) -> Any:
+    """`tree` with the entries of the slots at `pins` left out (counters kept)."""
+    out = {
+        path: dataclasses.replace(slot, **dict.fromkeys(ENTRY_FIELDS))
+        for path, slot in slots(tree).items()
+        if path in pins
+    }
+    return replace_slots(tree, out)
+
+
+def _with_entries(tree: Any, entries: dict[Path, Memo]) -> Any:
+    """`tree` with the entries of the slots in `entries` put back (its counters kept)."""
+    out = {
+        path: dataclasses.replace(slot, **{f: getattr(entries[path], f) for f in ENTRY_FIELDS})
+        for path, slot in slots(tree).items()
+        if path in entries
+    }
+    return replace_slots(tree, out)
 
 
 def _length(xs: Any, length: int | None) -> int | None:
@@ -135,28 +221,23 @@ def _stack(first: Any, rest: Any, reverse: bool) -> Any:
     return jnp.concatenate([rest, first] if reverse else [first, rest])
 
 
-class _Unpinned(Exception):
-    """Raised out of a body trace whose pins did not all hold."""
-
-    def __init__(self, failed: frozenset[Path]):
-        super().__init__(failed)
-        self.failed = failed
-
-
-def _pinned(f: Callable, allowed: frozenset[Path], outer: Any, verdicts: list | None = None):
-    """`f` with the slots at paths `allowed` of its carry pinned. With `verdicts`, appends
-    to it the pins that were used and held and those that did not hold; without, raises
-    `_Unpinned` if some did not hold."""
+def _pinned(
+    f: Callable,
+    allowed: frozenset[Path],
+    outer: Any,
+    verdicts: list[tuple[frozenset[Path], frozenset[Path]]],
+    reads: dict[Path, tuple[Any, Any]] | None = None,
+) -> Callable:
+    """`f` with the slots at paths `allowed` of its carry pinned: reading the first
+    step's `reads` (in the loop), or the table (in the probe, without `reads`). Appends
+    to `verdicts` the pins that were used and held, and those that did not hold."""
 
     def body(carry: Any, x: Any) -> Any:
-        pins = _context.Pins(carry, allowed, outer)
+        mode = "probe" if reads is None else "loop"
+        pins = _context.Pins(carry, allowed, outer, mode, reads=reads)
         with _context.pinning(pins):
             out = f(carry, x)
-        held, failed = pins.holding(_carry_of(out))
-        if verdicts is not None:
-            verdicts.append((held, failed))
-        elif failed:
-            raise _Unpinned(failed)
+        verdicts.append(pins.holding(_carry_of(out)))
         return out
 
     return body

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import sys
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
@@ -48,7 +48,10 @@ KEY_WORDS = 2
 
 # Validated by `Memo.__check_init__` with a message that says what to do; typed for
 # static checkers only, so that a runtime type checker does not answer first.
-Size = int if TYPE_CHECKING else Any
+if TYPE_CHECKING:
+    Size: typing.TypeAlias = int
+else:
+    Size = Any
 
 
 class _Empty:
@@ -78,6 +81,18 @@ _Empty.__module__ = "memox"
 _Empty.__qualname__ = _Empty.__name__ = "EmptySlot (allocate it with `memox.init(module)`)"
 
 EMPTY = _Empty()
+
+# A leaf of a slot: `Leaf[X]` is the array `X` once the slot is allocated, the `EMPTY`
+# marker before (or `None` where `eqx.filter` took the slot out), and is checked as
+# exactly that at run time. Static checkers see `X | Any`: memox reads a slot's leaves
+# only where `slot.allocated` holds, which they cannot narrow the leaves by.
+if TYPE_CHECKING:
+    Leaf: typing.TypeAlias = T | Any
+else:
+
+    class Leaf:
+        def __class_getitem__(cls, array: Any) -> Any:
+            return array | _Empty | None
 
 
 def _empty() -> _Empty:
@@ -109,15 +124,15 @@ class Memo(eqx.Module, Generic[T]):
     """
 
     # Per entry (leading axis `size`):
-    value: Array | _Empty | None = EMPTY
-    valid: Bool[Array, " K"] | _Empty | None = EMPTY
-    key: UInt32[Array, "K 2"] | _Empty | None = EMPTY
-    age: Int[Array, " K"] | _Empty | None = EMPTY
-    used: Int[Array, " K"] | _Empty | None = EMPTY
-    snapshot: UInt8[Array, "K bytes"] | _Empty | None = EMPTY
+    value: Leaf[Array] = EMPTY
+    valid: Leaf[Bool[Array, " K"]] = EMPTY
+    key: Leaf[UInt32[Array, "K 2"]] = EMPTY
+    age: Leaf[Int[Array, " K"]] = EMPTY
+    used: Leaf[Int[Array, " K"]] = EMPTY
+    snapshot: Leaf[UInt8[Array, "K bytes"]] = EMPTY
     # For the slot:
-    hits: Int[Array, ""] | _Empty | None = EMPTY
-    misses: Int[Array, ""] | _Empty | None = EMPTY
+    hits: Leaf[Int[Array, ""]] = EMPTY
+    misses: Leaf[Int[Array, ""]] = EMPTY
     size: Size = eqx.field(static=True, default=1)
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -385,11 +400,12 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
         for entry in path[:-1]:
             owner = _child(owner, entry)
         last = path[-1] if path else None
-        field = last.name if isinstance(last, jtu.GetAttrKey) else None
+        # (JAX types `GetAttrKey` as `Any`, so `isinstance` does not rule out `None`.)
+        field = last.name if isinstance(last, jtu.GetAttrKey) else None  # pyright: ignore[reportOptionalMemberAccess]
         yield SlotSite(path, leaf, owner if path else None, field)
 
 
-def replace_slots(tree: PyTree, new: dict[Path, Memo | Hoisted]) -> PyTree:
+def replace_slots(tree: PyTree, new: Mapping[Path, Memo | Hoisted]) -> PyTree:
     """`tree` with the slots at the paths in `new` replaced (by slots, or by values read
     ahead by `memox.hoist`)."""
     if not new:

@@ -204,11 +204,11 @@ def _grads_through_scan(name, length, frozen):
     def loss(p, q, w, model, args, cached):
         m = eqx.tree_at(lambda m: (m.p, m.q), model, (p, q))
         if not cached:
-            return length * jnp.sum((w * _plain(m, name, args)) ** 2)
+            return length * jnp.sum((w * _plain(m, name, args).astype(jnp.float32)) ** 2)
 
         def body(m, _):
             y, m = memox.call(m, lambda m: getattr(m, name)(*args))
-            return m, jnp.sum((w * y) ** 2)
+            return m, jnp.sum((w * y.astype(jnp.float32)) ** 2)
 
         return jnp.sum(memox.scan(body, m, length=length)[1])
 
@@ -297,6 +297,7 @@ def _apply(model, op):
     elif kind == "grad scan":
         name, length, arg, frozen = op[1], op[2], op[3], op[4]
         _, args = _target(name, arg)
+        model = memox.init(model, lambda m: getattr(m, name)(*args))
         got, want = _grads_through_scan(name, length, frozen)(model, args)
         for g, w in zip(got, want):
             _assert_close(g, w, f"grad through memox.scan {name}")

@@ -1,0 +1,262 @@
+"""`memox.filter_jit`: `eqx.filter_jit`, where unchanged inputs are not hashed again.
+
+The standard Equinox loop calls `memox.call` inside its own `eqx.filter_jit` step. There
+every check of a cached value hashes its dependencies in-graph, on every call: the
+frozen backbone of a fine-tuned model and the training inputs, although neither
+changed. `memox.filter_jit` is `eqx.filter_jit` (it calls it: same arguments, same
+results, same tree structures, same donation) with two additions:
+
+1. **Fingerprints outside, once per array.** The input arrays that the cached methods
+   inside fingerprinted in an earlier trace are fingerprinted outside the compiled
+   code, by identity (`_fingerprint.known`: once per array object), and passed in as a
+   small table; a check inside finds them (`_prehash.py`) and skips the in-graph hash,
+   which stays behind a `lax.cond` for any input that is not the object seen at the
+   previous call. A new, donated or updated array is a new object: it is hashed.
+   Inputs under 256 KiB are hashed in-graph (on XLA:CPU the `lax.cond` costs about
+   what hashing them does).
+2. **No copy of what passes through.** An output that is one of the inputs, unchanged
+   (the frozen backbone in the model the step returns), is not an output of the
+   compiled function (XLA would copy it into a fresh buffer on every call): the caller's
+   own array is put back in its place. So the frozen arrays keep their identity from
+   step to step, and (1) applies to them. Donated inputs are left to XLA (their buffers
+   are reused).
+
+Empty slots in the arguments are allocated before the first trace (as `memox.init`
+does), so that a step traces once even when the model was not initialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from typing_extensions import ParamSpec
+
+from . import _prehash
+from ._jit import allocated_once
+from ._slot import EMPTY
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+_DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
+_SENTINEL: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """Stands, in the compiled function's outputs, for its `index`-th input array,
+    passed through unchanged: the caller's array is put back in its place."""
+
+    index: int
+
+
+def _is_input(x: Any) -> bool:
+    return isinstance(x, _Input)
+
+
+@overload
+def filter_jit(*, donate: Donate = "none") -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+@overload
+def filter_jit(fun: Callable[_P, _T], /, *, donate: Donate = "none") -> Callable[_P, _T]: ...
+def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
+    """`eqx.filter_jit`, with the fingerprints of unchanged inputs computed once.
+
+    A drop-in replacement: swap `eqx.filter_jit` for `memox.filter_jit` on a step that
+    calls `memox.call`, and nothing else changes (arguments, results, tree structures,
+    donation, retracing rules), except that a cached method whose dependencies are
+    inputs of the step that did not change (a frozen part of the model, the training
+    data) no longer hashes them in-graph at every call: their fingerprints are computed
+    outside, once per array object, and passed in. The arrays that merely pass through
+    the step (unchanged leaves of the returned model) come back as the caller's own
+    objects instead of copies.
+
+    **Arguments:**
+
+    - `fun`: the function to compile, as for `eqx.filter_jit`.
+    - `donate`: as for `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
+      `"warn-except-first"` or `"none"` (the default).
+
+    Empty slots in the arguments are allocated before the first trace (as
+    `memox.init(module)` does), so the step traces once without `memox.init`.
+
+    **Returns:**
+
+    The compiled function, called as `fun` is.
+
+    !!! Example
+
+        ```python
+        @memox.filter_jit                        # was: @eqx.filter_jit
+        def step(foo, x):
+            b, foo = memox.call(foo, Foo.b)      # foo.a: hashed outside, once
+            return b * x, foo
+
+        y, foo = step(foo, jnp.float32(2.0))
+        y, foo = step(foo, jnp.float32(3.0))     # a hit; foo.a is the caller's array
+        ```
+    """
+    if fun is _SENTINEL:
+        return functools.partial(filter_jit, donate=donate)
+    if donate not in _DONATE:
+        eqx.filter_jit(fun, donate=donate)  # raises Equinox's own error
+    return _FilterJit.make(fun, donate)
+
+
+class _FilterJit(eqx.Module):
+    """The compiled function. A Module, like `eqx.filter_jit`'s: arrays in `fun` are
+    traced, and as a method it receives its instance as its first argument.
+
+    It calls `eqx.filter_jit` (so Equinox's own handling of donation, runtime errors
+    and warnings applies) on flat lists of arrays and one hashable description of
+    everything else, flattened once here: Equinox and `jax.jit` then have nothing left
+    to take apart."""
+
+    fun: Callable  # may hold arrays: traced
+    _compiled: Callable = eqx.field(static=True, repr=False)
+    _signature: inspect.Signature = eqx.field(static=True, repr=False)
+    _inputs: _prehash.Inputs = eqx.field(static=True, repr=False)
+    _donate: Donate = eqx.field(static=True, repr=False)
+
+    @classmethod
+    def make(cls, fun: Callable, donate: Donate) -> Any:
+        inputs = _prehash.Inputs()
+        donate_first, donate_rest = donate in ("all", "warn"), donate != "none"
+
+        def traced(head: tuple, rest: list, call: _Call) -> Any:
+            first, table = head
+            arrays = call.merge(first, rest)
+            fn, args, kwargs = call.rebuild(arrays)
+            with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES) as scope:
+                out = fn(*args, **kwargs)
+            inputs.learned(scope.used)
+            # Outputs that are inputs passed through unchanged are given back outside
+            # (the caller's arrays): not outputs of the compiled function, which would
+            # copy them. Donated inputs are left to XLA, which reuses their buffers.
+            donated = call.donated(donate_first, donate_rest)
+            index = {id(x): i for i, x in enumerate(arrays) if not donated[i]}
+            leaves, treedef = jtu.tree_flatten(out)
+            dynamic, static = [], []
+            for x in leaves:
+                if not eqx.is_array(x):
+                    static.append(x)
+                elif id(x) in index:
+                    static.append(_Input(index[id(x)]))
+                else:
+                    dynamic.append(x)
+                    static.append(_ARRAY)
+            # A donated table is returned (unchanged) so that XLA reuses its buffer and
+            # `donate="warn"` warns about the caller's arrays only.
+            return dynamic, _Out(treedef, tuple(static)), table if donate_first else None
+
+        name = getattr(fun, "__name__", type(fun).__name__)
+        traced.__name__ = name
+        traced.__qualname__ = getattr(fun, "__qualname__", name)
+        # The table travels with the first argument: donated with it, and only then.
+        compiled = eqx.filter_jit(traced, donate=donate)
+        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, donate)
+        return eqx.module_update_wrapper(wrapper)
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return self.fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs)
+        args, kwargs = bound.args, bound.kwargs
+        call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
+        if call.empty_slots:  # rare: allocate empty slots first (once per object)
+            args = tuple(map(allocated_once, args))
+            kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
+            call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
+        table = self._inputs.table(arrays)
+        first, rest = call.groups(arrays)
+        dynamic, out, _ = self._compiled((first, table), rest, call)
+        self._inputs.register(arrays)
+        dynamic_ = iter(dynamic)
+        leaves = [
+            next(dynamic_) if x is _ARRAY else _output(arrays[x.index]) if _is_input(x) else x
+            for x in out.leaves
+        ]
+        return jtu.tree_unflatten(out.treedef, leaves)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+_ARRAY = object()  # marks a leaf passed as an array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What a call is compiled for (hashable: a static argument): the tree structure of
+    `(fun, args, kwargs)`, every leaf that is not an array, and where the arrays of the
+    first argument are (donated on their own under `donate="*-except-first"`)."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]  # the leaf where static, else `_ARRAY`
+    first: tuple[int, int]  # arrays [start, stop) of the first argument
+    n_arrays: int
+    empty_slots: bool = dataclasses.field(compare=False)
+
+    @classmethod
+    def split(cls, fun: Any, args: tuple, kwargs: dict, donate: str) -> tuple[_Call, list]:
+        leaves, treedef = jtu.tree_flatten((fun, args, kwargs))
+        arrays, statics, empty = [], [], False
+        for x in leaves:
+            if eqx.is_array(x):
+                arrays.append(x)
+                statics.append(_ARRAY)
+            else:
+                empty = empty or x is EMPTY
+                statics.append(x)
+        first = (0, 0)
+        if donate.endswith("except-first") and args:
+            start = sum(map(eqx.is_array, jtu.tree_leaves(fun)))
+            first = (start, start + sum(map(eqx.is_array, jtu.tree_leaves(args[0]))))
+        return cls(treedef, tuple(statics), first, len(arrays), empty), arrays
+
+    def groups(self, arrays: list) -> tuple[list, list]:
+        """The arrays of the first argument (where donated apart), and the others."""
+        a, b = self.first
+        return arrays[a:b], arrays[:a] + arrays[b:]
+
+    def merge(self, first: list, rest: list) -> list:
+        a, b = self.first
+        return rest[:a] + first + rest[a:]
+
+    def donated(self, donate_first: bool, donate_rest: bool) -> list[bool]:
+        a, b = self.first
+        flags = [donate_rest] * self.n_arrays
+        if donate_first != donate_rest:
+            flags[a:b] = [donate_first] * (b - a)
+        return flags
+
+    def rebuild(self, arrays: list) -> tuple[Any, tuple, dict]:
+        arrays_ = iter(arrays)
+        leaves = [next(arrays_) if x is _ARRAY else x for x in self.leaves]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+class _Out(eqx.Module):
+    """The compiled function's outputs other than its arrays: carried in its tree
+    structure (static)."""
+
+    treedef: Any = eqx.field(static=True)
+    leaves: tuple[Any, ...] = eqx.field(static=True)
+
+
+def _output(x: Any) -> Any:
+    """An input array given back as the output it was (a NumPy input as a JAX array)."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)

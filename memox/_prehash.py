@@ -1,0 +1,165 @@
+"""Fingerprints computed outside a compiled function, for the checks inside it.
+
+Inside a trace a dependency is a tracer, and checking a cached value means hashing the
+dependency's bytes in-graph on every call. When the tracer is an *input* of the compiled
+function and the caller passed the same concrete array as last time, that work is
+wasted: a `jax.Array` is immutable, so its fingerprint is the one computed for that
+object before (`_fingerprint.known`, by identity). `memox.jit` and `memox.filter_jit`
+therefore compute, per call and outside the compiled code, the fingerprints of the input
+arrays that cached methods fingerprinted in an earlier trace (their dependencies and
+keyed arguments), and pass them in as one small table, with a flag per row saying
+whether the row holds a fingerprint for this call's array.
+
+This module is that mechanism, in one place for both wrappers:
+
+- outside, `Inputs` learns which input positions are dependencies and builds the
+  table for a call (`Inputs.table`): a row is valid only for the very object seen at
+  that position in the previous call (an array that changes every call, such as a new
+  batch, is left to the in-graph hash: hashing it outside would wait for it);
+- inside, `scope(inputs, table)` makes the table current for the trace (a per-thread
+  stack): `Frame.fingerprint` asks `lookup(x)`, which for an input tracer returns
+  `lax.cond(valid, row, hash)`: the in-graph hash stays in the program, and runs only
+  when the row is not valid. A donated, new or mutated input is a new object: its row
+  is not valid, and it is hashed. Never stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from ._fingerprint import array_fingerprint, is_concrete_array, known
+
+
+class Inputs:
+    """What a compiled wrapper knows about its input arrays, across calls (outside any
+    trace): which positions cached methods fingerprinted, and the object last seen at
+    each of them."""
+
+    def __init__(self) -> None:
+        self.dependencies: set[int] = set()
+        self._last: dict[int, weakref.ref] = {}
+        self._new = False  # dependencies learned by the last trace, not yet registered
+        # The last table with every row valid, on the device, and the arrays it is for:
+        # a call on the same arrays reuses it (no host work, no transfer).
+        self._valid: tuple[int, list[tuple[int, weakref.ref]], Any] | None = None
+
+    def table(self, arrays: Sequence[Any]) -> Any:
+        """The table for a call on `arrays` (`uint32`, `(len(arrays), 3)`: the
+        fingerprint, then 1 where valid). Registers the arrays seen."""
+        valid = self._valid
+        if valid is not None and valid[0] == len(arrays):
+            if all(ref() is arrays[i] for i, ref in valid[1]):
+                return valid[2]
+        table = np.zeros((len(arrays), 3), np.uint32)
+        last, complete = self._last, True
+        for i in self.dependencies:
+            if i >= len(arrays):
+                continue
+            x = arrays[i]
+            seen = last.get(i)
+            if seen is not None and seen() is x and not x.is_deleted():
+                table[i, :2] = known.host(x)
+                table[i, 2] = 1
+            else:
+                complete = False
+                if is_concrete_array(x):
+                    last[i] = weakref.ref(x)
+        if complete and self.dependencies:
+            rows = [(i, last[i]) for i in sorted(self.dependencies) if i < len(arrays)]
+            with jax.ensure_compile_time_eval():  # a concrete array, even under a trace
+                self._valid = (len(arrays), rows, jax.device_put(table))
+            return self._valid[2]
+        return table
+
+    def learned(self, used: set[int]) -> None:
+        """Called inside a trace: the positions its checks fingerprinted."""
+        if not used <= self.dependencies:
+            self.dependencies |= used
+            self._new = True
+            self._valid = None
+
+    def register(self, arrays: Sequence[Any]) -> None:
+        """After a call: dependencies learned by its trace start being tracked now, so
+        that the next call on the same arrays already has their fingerprints."""
+        if not self._new:
+            return
+        self._new = False
+        for i in self.dependencies:
+            if i < len(arrays) and is_concrete_array(arrays[i]) and i not in self._last:
+                self._last[i] = weakref.ref(arrays[i])
+
+
+# `memox.filter_jit` hashes inputs smaller than this in-graph, without a `lax.cond`: on
+# XLA:CPU a conditional whose untaken branch holds a reduction costs ~5-10 us per
+# execution, about what hashing 256 KiB costs (s10: 1.23x -> 1.19x hand-hoisted).
+PREHASH_MIN_BYTES = 1 << 18
+
+
+class Scope:
+    """The table of one trace of a compiled wrapper, by the ids of its input tracers.
+
+    Holds the input tracers while the trace runs (so that no id is reused), and drops
+    them when it ends."""
+
+    def __init__(self, inputs: Sequence[Any], table: Any, min_bytes: int = 0):
+        self._min_bytes = min_bytes
+        self._inputs = list(inputs)
+        self._index = {id(x): i for i, x in enumerate(self._inputs)}
+        self._table = table
+        self.used: set[int] = set()  # positions whose tracer a check fingerprinted
+
+    def lookup(self, x: Any) -> Any | None:
+        i = self._index.get(id(x))
+        if i is None or x.size * x.dtype.itemsize < self._min_bytes:
+            return None
+        self.used.add(i)
+        assert self._table is not None  # (not closed)
+        row = self._table[i]
+        return lax.cond(row[2] != 0, lambda _: row[:2], array_fingerprint, x)
+
+    def close(self) -> None:
+        self._inputs, self._index, self._table = [], {}, None
+
+
+_local = threading.local()
+
+
+def _scopes() -> list[Scope]:
+    scopes = getattr(_local, "scopes", None)
+    if scopes is None:
+        scopes = _local.scopes = []
+    return scopes
+
+
+@contextlib.contextmanager
+def scope(inputs: Sequence[Any], table: Any, min_bytes: int = 0) -> Iterator[Scope]:
+    """Make `table` (rows for `inputs`, the tracers of a compiled function's input
+    arrays) current while the function is traced; inputs of fewer than `min_bytes`
+    bytes are left to the in-graph hash."""
+    current = Scope(inputs, table, min_bytes)
+    scopes = _scopes()
+    scopes.append(current)
+    try:
+        yield current
+    finally:
+        popped = scopes.pop()
+        assert popped is current
+        current.close()
+
+
+def lookup(x: Any) -> Any | None:
+    """The fingerprint of tracer `x` where it is an input of a compiled wrapper being
+    traced (a `lax.cond` between the precomputed row and the in-graph hash), else None."""
+    for current in reversed(_scopes()):
+        found = current.lookup(x)
+        if found is not None:
+            return found
+    return None

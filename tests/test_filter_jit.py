@@ -1,0 +1,328 @@
+"""`memox.filter_jit`: `eqx.filter_jit`'s results, unchanged inputs fingerprinted outside."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Counter, Foo, foo
+
+import memox
+from memox import Memo, _prehash
+from memox._fingerprint import known
+
+
+class Frozen(eqx.Module):
+    """A frozen backbone `w` and a trained head `v`; `features(x)` is keyed by `x`."""
+
+    w: jax.Array
+    v: jax.Array
+    counter: Counter = eqx.field(static=True)
+    features_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("features_cache")
+    def features(self, x):
+        self.counter.tick()
+        return jnp.tanh(x @ self.w)
+
+    def predict(self, x):
+        return self.features(x) @ self.v
+
+
+def frozen(counter, seed=0):
+    kw, kv = jax.random.split(jax.random.key(seed))
+    return Frozen(jax.random.normal(kw, (4, 8)), jax.random.normal(kv, (8,)), counter)
+
+
+def training_step(jit, traces):
+    """The standard Equinox + optax step, `jit` being `eqx.filter_jit` or
+    `memox.filter_jit`; the head `v` is trained, `w` frozen by the filter spec."""
+    optim = optax.sgd(1e-2, momentum=0.9)  # (adam mixes int32 and floats: strict promotion)
+
+    def spec(model):
+        return eqx.tree_at(lambda m: m.v, jax.tree.map(lambda _: False, model), True)
+
+    def loss_fn(diff, static, x, y):
+        pred, model = memox.call(eqx.combine(diff, static), Frozen.predict, x)
+        return jnp.mean(jnp.square(pred - y)), model
+
+    @jit
+    def step(model, opt_state, x, y):
+        traces.append(1)
+        diff, static = eqx.partition(model, spec(model))
+        (loss, model), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(diff, static, x, y)
+        updates, opt_state = optim.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, {"loss": loss, "tag": "mse"}
+
+    def init(model):
+        return optim.init(eqx.filter(model, spec(model)))
+
+    return step, init
+
+
+def data(seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (16, 4)), jax.random.normal(ky, (16,))
+
+
+def test_same_results_and_structures_as_eqx_filter_jit():
+    x, y = data()
+    runs, c = {}, Counter()  # one counter: the static fields compare equal
+    for jit in (eqx.filter_jit, memox.filter_jit):
+        n0, traces = c.n, []
+        step, init = training_step(jit, traces)
+        model = memox.init(frozen(c), Frozen.predict, x)
+        opt_state = init(model)
+        out = []
+        for _ in range(4):
+            model, opt_state, info = step(model, opt_state, x, y)
+            out.append((model, opt_state, info))
+        jax.effects_barrier()
+        runs[jit] = out, c.n - n0, len(traces)
+    (eqx_out, eqx_n, eqx_traces), (our_out, our_n, our_traces) = runs.values()
+    assert (our_n, our_traces) == (eqx_n, eqx_traces) == (1, 1)
+    for a, b in zip(eqx_out, our_out):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            if eqx.is_array(u):
+                assert (u.dtype, u.shape) == (v.dtype, v.shape)
+                np.testing.assert_array_equal(u, v)
+            else:
+                assert u == v
+        assert b[2]["tag"] == "mse"
+
+
+def test_unchanged_inputs_are_fingerprinted_outside_once(monkeypatch):
+    tables = []
+    original = _prehash.Inputs.table
+
+    def spy(self, arrays):
+        table = original(self, arrays)
+        tables.append((np.asarray(table), list(arrays)))
+        return table
+
+    monkeypatch.setattr(_prehash.Inputs, "table", spy)
+    monkeypatch.setattr(_prehash, "PREHASH_MIN_BYTES", 0)  # (this test's arrays are small)
+    c, traces = Counter(), []
+    x, y = data()
+    step, init = training_step(memox.filter_jit, traces)
+    model = memox.init(frozen(c), Frozen.predict, x)
+    opt_state = init(model)
+    for _ in range(3):
+        model, opt_state, _ = step(model, opt_state, x, y)
+    # The first call learns which inputs the check fingerprints (`w` and `x`); from the
+    # second on, their fingerprints come in precomputed, by identity.
+    (first, _), (second, arrays), (third, _) = tables
+    assert not first[:, 2].any()
+    valid = {i for i in range(len(arrays)) if second[i, 2]}
+    assert valid == {i for i, a in enumerate(arrays) if a is model.w or a is x}
+    assert (third == second).all()
+    for a in (model.w, x):
+        (row,) = [i for i in valid if arrays[i] is a]
+        np.testing.assert_array_equal(second[row, :2], known(a))
+    assert c.n == 1 and len(traces) == 1
+
+
+def test_passed_through_arrays_come_back_as_the_callers_own():
+    # The frozen `w` passes through the step unchanged: not copied, the same object.
+    c, traces = Counter(), []
+    x, y = data()
+    step, init = training_step(memox.filter_jit, traces)
+    model = memox.init(frozen(c), Frozen.predict, x)
+    new, _, _ = step(model, init(model), x, y)
+    assert new.w is model.w
+    assert new.v is not model.v  # trained: a new array
+
+
+@pytest.mark.parametrize("change", ["new values", "same values, new array", "numpy, in place"])
+def test_never_stale(change):
+    c = Counter()
+    model = memox.init(frozen(c), Frozen.predict, jnp.zeros((16, 4)))
+    x = np.array(data()[0]) if change == "numpy, in place" else data()[0]
+
+    @memox.filter_jit
+    def predict(model, x):
+        return memox.call(model, Frozen.predict, x)
+
+    for _ in range(3):
+        out, model = predict(model, x)
+    assert c.n == 1
+    if change == "new values":
+        model = eqx.tree_at(lambda m: m.w, model, model.w.at[0, 0].add(1.0))
+        x = x.at[3, 1].add(1.0)
+    elif change == "same values, new array":
+        model = eqx.tree_at(lambda m: m.w, model, jnp.array(model.w))
+    else:
+        x[3, 1] += 1.0  # a NumPy array can change in place: never trusted by identity
+    out, model = predict(model, x)
+    with c.paused():
+        expected = model.predict(jnp.asarray(x))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert c.n == (1 if change == "same values, new array" else 2)
+
+
+def test_donated_inputs_are_hashed_again_and_results_stay_right():
+    c = Counter()
+    x = data()[0]
+    model = memox.init(frozen(c), Frozen.predict, x)
+
+    @memox.filter_jit(donate="all-except-first")
+    def predict(x, model):
+        return memox.call(model, Frozen.predict, x)
+
+    for i in range(4):
+        w = model.w
+        out, model = predict(x, model)
+        # Donated: the old arrays are gone, the module's arrays are new objects.
+        assert w.is_deleted() and model.w is not w
+        with c.paused():
+            np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+    assert c.n == 1  # new objects, same values: hashed again (in-graph), still hits
+
+
+def test_donation_matches_eqx_filter_jit():
+    for donate in ("all", "all-except-first", "none"):
+        ours, theirs = (
+            jit(lambda a, b: (a + 1, b * 2), donate=donate)
+            for jit in (memox.filter_jit, eqx.filter_jit)
+        )
+        deleted = []
+        for f in (ours, theirs):
+            a, b = jnp.ones(3), jnp.ones(3)
+            f(a, b)
+            deleted.append((a.is_deleted(), b.is_deleted()))
+        assert deleted[0] == deleted[1], donate
+
+
+def test_traces_once_without_memox_init():
+    # Empty slots are allocated before the first trace (as `memox.init` does for
+    # methods without arguments), so the filled module does not retrace.
+    c, traces = Counter(), []
+
+    @memox.filter_jit
+    def step(f, scale):
+        traces.append(1)
+        b, f = memox.call(f, Foo.b)
+        return b * scale, f
+
+    f = foo(c)
+    for _ in range(4):
+        out, f = step(f, jnp.float32(2))
+    assert len(traces) == 1 and c.n == 1 and out == 2 * jnp.sum(f.a)
+
+
+def test_static_and_keyword_arguments_and_non_array_outputs():
+    c, traces = Counter(), []
+
+    @memox.filter_jit
+    def fn(f, x, *, power, label="b"):
+        traces.append(power)
+        b, f = memox.call(f, Foo.b)
+        return {label: b * x * power, "n": power, "none": None}, f
+
+    f = memox.init(foo(c))
+    out, f = fn(f, jnp.float32(2), power=2)
+    out, f = fn(f, x=jnp.float32(3), power=2)
+    assert out == {"b": 6 * jnp.sum(f.a), "n": 2, "none": None}
+    out, f = fn(f, jnp.float32(3), power=3, label="c")  # static arguments: retraces
+    assert set(out) == {"c", "n", "none"} and traces == [2, 3] and c.n == 1
+
+
+def test_numpy_inputs_passed_through_come_back_as_jax_arrays():
+    f = memox.filter_jit(lambda a, b: (a, b + 1))
+    a = np.arange(3.0)
+    out, _ = f(a, jnp.ones(2))
+    assert isinstance(out, jax.Array) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, a)
+
+
+def test_as_a_method():
+    class Model(eqx.Module):
+        a: jax.Array
+        counter: Counter = eqx.field(static=True)
+        b_cache: Memo[jax.Array] = Memo()
+
+        @memox.cached("b_cache")
+        def b(self):
+            self.counter.tick()
+            return jnp.sum(self.a)
+
+        @memox.filter_jit
+        def __call__(self, x):
+            return memox.call(self, Model.b)[0] * x
+
+    c = Counter()
+    m = memox.init(Model(jnp.arange(4.0), c))
+    assert m(jnp.float32(2)) == 12.0
+
+
+def test_inside_an_outer_jit():
+    c = Counter()
+
+    @memox.filter_jit
+    def inner(f):
+        return memox.call(f, Foo.b)
+
+    @jax.jit
+    def outer(f):
+        b, f = inner(f)
+        return b + 1, f
+
+    f = memox.init(foo(c))
+    for _ in range(3):
+        out, f = outer(f)
+    assert out == jnp.sum(f.a) + 1 and c.n == 1
+
+
+def test_invalid_donate_is_equinox_error():
+    with pytest.raises(ValueError, match=re.escape("donate")):
+        memox.filter_jit(lambda x: x, donate="some")
+
+
+def test_docstring_example_runs():
+    namespace = {"jax": jax, "jnp": jnp, "eqx": eqx, "memox": memox}
+    for name in ("Memo", "init"):
+        for code in re.findall(r"```python\n(.*?)```", getattr(memox, name).__doc__, re.S):
+            exec(compile(_dedent(code), f"<memox.{name}>", "exec"), namespace)
+    (code,) = re.findall(r"```python\n(.*?)```", memox.filter_jit.__doc__, re.S)
+    exec(compile(_dedent(code), "<memox.filter_jit>", "exec"), namespace)
+    assert namespace["y"] == 3 * jnp.sum(namespace["foo"].a)
+
+
+def _dedent(code):
+    import textwrap
+
+    return textwrap.dedent(code)
+
+
+def test_a_module_not_threaded_is_allocated_once(monkeypatch):
+    # A caller that keeps passing the same unallocated module (not the returned one):
+    # `memox.filter_jit` allocates its slots once (then misses, as `eqx.filter_jit`
+    # would); `memox.jit` reuses the slots its last call on that module returned (hits).
+    # (Regression: memox.jit allocated at every such call, 41x a threaded call.)
+    import memox._jit as memox_jit
+
+    allocations = []
+    allocate = memox_jit.allocate_plain_slots
+    monkeypatch.setattr(
+        memox_jit, "allocate_plain_slots", lambda t: allocations.append(1) or allocate(t)
+    )
+    c, traces = Counter(), []
+
+    @memox.filter_jit
+    def step(f):
+        traces.append(1)
+        return memox.call(f, Foo.b)
+
+    f = foo(c)
+    for _ in range(4):
+        out, _ = step(f)
+    assert len(allocations) == 1 and len(traces) == 1 and c.n == 4
+    del allocations[:]
+    serve = memox.jit(lambda f: f.b())
+    for _ in range(4):
+        out, _ = serve(f)
+    assert len(allocations) == 1 and c.n == 5 and out == jnp.sum(f.a)
