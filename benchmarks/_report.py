@@ -172,6 +172,13 @@ def headline(results: dict) -> list[dict]:
         for variant, r in m["wall_over_hand"].items():
             if variant.startswith("memox"):
                 add("8 grad through scan", f"grad wall / hand-written, {variant}", r)
+    if "s10" in results:
+        m, s10 = results["s10"]["metrics"], "10 frozen-backbone fine-tune"
+        for v, r in m["median_step_over_hand"].items():
+            if v not in ("hand-hoisted", "naive"):
+                add(s10, f"median step / hand-hoisted, {v}", r, "<= 1.3")
+        for array, r in m["fingerprint_over_float_sum"].items():
+            add(s10, f"fingerprint / float sum, {array}", r, ">= 0.25")
     return rows
 
 
