@@ -33,6 +33,8 @@ SCENARIOS = {
     "s6": "s6_compile",
     "s7": "s7_memory",
     "s8": "s8_grad_scan",
+    "s9": "s9_diffrax",
+    "s10": "s10_finetune",
 }
 HERE = Path(__file__).resolve().parent
 

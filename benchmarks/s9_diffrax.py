@@ -1,0 +1,448 @@
+"""Scenario 9: Jacobian and LU reuse across the steps of diffrax's implicit solvers.
+
+`memox.diffrax.ReuseJacobian(diffrax.Kvaerno5())` against the same solver without reuse
+and against `scipy.integrate.solve_ivp(method="BDF")`, float64, adaptive steps
+(`diffrax.PIDController(rtol, atol)`, the same tolerances everywhere):
+
+- small classics: Robertson (t in [0, 1e5]), Van der Pol with mu = 1000 (Hairer's
+  scaling, eps = 1 / mu^2 = 1e-6, t in [0, 2]) and HIRES (t in [0, 321.8122]);
+- a large stiff system where the factorisation dominates: the 2-D Brusselator
+  reaction-diffusion problem (SciML's benchmark form: alpha = 10, periodic boundaries,
+  forcing switched on at t = 1.1) on an n x n grid, 2 n^2 unknowns, with the dense
+  Jacobian and dense LU that diffrax uses by default (lineax), O(N^3) per LU.
+
+Variants:
+
+- diffrax default: `diffrax.Kvaerno5()` as installed (0.7.2). Its chord iteration
+  reports a failure when it has not converged after two iterations (fixed upstream by
+  diffrax#754 / optimistix#230), so many steps are rejected;
+- diffrax, fixed chord: `Kvaerno5` with `VeryChord`'s termination fixed as upstream:
+  the same Newton convergence test as the memox root finder, without reuse. The fair
+  baseline for what reuse itself saves;
+- memox reuse: `ReuseJacobian(Kvaerno5())` (max_age 20, gamma_drift 0.3);
+- scipy BDF: `solve_ivp(method="BDF")` with the Jacobian from a jitted `jax.jacfwd`.
+
+Counts are real executions, from programs where the vector field and the linear
+solver's `init` (which evaluates the Jacobian and factorises) call `jax.debug.callback`.
+The classics are timed with programs without callbacks; the large system, whose steps
+take seconds, times the counting programs themselves (~20 callbacks per step). "J evals" are
+`jax.jacfwd`s of the vector field (one per LU for diffrax: lineax materialises the
+Jacobian in `init`); "RHS evals" include the one primal evaluation inside each. For
+scipy, its own `njev`, `nlu`, `nfev` (nfev without the Jacobian's). Errors are the
+max over components of `|y - ref| / (|ref| + atol / rtol)` at the final time, against
+Radau (scipy) at rtol 1e-12 for the classics (stored below) and rtol 1e-10 with a
+sparse Jacobian for the Brusselator (computed in the run).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._common import TraceCounter, interleaved, median, progress, timed as timed_call
+
+
+try:
+    import diffrax
+    import lineax as lx
+    import optimistix as optx
+    import scipy.integrate
+    import scipy.sparse
+
+    import memox.diffrax
+except ImportError as error:  # diffrax is an optional extra: `pip install "memox[diffrax]"`
+    diffrax = None
+    _MISSING = str(error)
+
+
+SIZES = {
+    "full": dict(
+        classics=("robertson", "van_der_pol", "hires"), rounds=5, n=32, t1=0.5, rounds_large=2
+    ),
+    # CI's smoke run: the large system at a small size, no classics.
+    "quick": dict(classics=(), rounds=1, n=10, t1=0.1, rounds_large=1),
+}
+DEFAULT, FIXED, REUSE, SCIPY = (
+    "diffrax default",
+    "diffrax, fixed chord",
+    "memox reuse",
+    "scipy BDF",
+)
+COUNTS = collections.Counter()
+
+
+def _tick(name: str) -> None:
+    jax.debug.callback(lambda: COUNTS.update([name]))
+
+
+if diffrax is not None:
+
+    class CountingLU(lx.LU):
+        """`lineax.LU` (what diffrax's default `AutoLinearSolver` picks here), counting
+        its factorisations as they run."""
+
+        def init(self, operator, options):
+            _tick("lu")
+            return super().init(operator, options)
+
+    class FixedVeryChord(diffrax.VeryChord):
+        """`diffrax.VeryChord` with diffrax#754's termination: a converging iteration is
+        not reported as diverged after its second step (as `memox.diffrax`'s)."""
+
+        def terminate(self, fn, y, args, options, state, tags):
+            at_least_two = state.step >= 2
+            rate = state.diffsize / state.diffsize_prev
+            factor = state.diffsize * rate / (1 - rate)
+            small = state.diffsize < 10 ** (2 - jnp.finfo(state.diffsize.dtype).precision)
+            diverged = ~jnp.isfinite(rate) | (rate > 2)
+            converged = (factor > 0) & (factor < self.kappa)
+            terminate = at_least_two & (small | diverged | converged)
+            result = optx.RESULTS.where(
+                at_least_two & ~small & diverged,
+                optx.RESULTS.nonlinear_divergence,
+                optx.RESULTS.successful,
+            )
+            linsolve_fail = state.result != optx.RESULTS.successful
+            result = optx.RESULTS.where(linsolve_fail, state.result, result)
+            return terminate | linsolve_fail, result
+
+
+def solver(name: str, counting: bool):
+    """The variant's solver; `counting`: with a linear solver that counts its LUs."""
+    chord = FixedVeryChord if name == FIXED else diffrax.VeryChord
+    if counting:
+        root_finder = diffrax.with_stepsize_controller_tols(chord)(linear_solver=CountingLU())
+    else:
+        root_finder = diffrax.with_stepsize_controller_tols(chord)()
+    kvaerno5 = diffrax.Kvaerno5(root_finder=root_finder)
+    return memox.diffrax.ReuseJacobian(kvaerno5) if name == REUSE else kvaerno5
+
+
+# -- the problems ------------------------------------------------------------------------
+
+
+def robertson(t, y, p):
+    y1, y2, y3 = y
+    return jnp.stack(
+        [-0.04 * y1 + 1e4 * y2 * y3, 0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2, 3e7 * y2**2]
+    )
+
+
+def van_der_pol(t, y, p):
+    return jnp.stack([y[1], ((1 - y[0] ** 2) * y[1] - y[0]) / 1e-6])
+
+
+def hires(t, y, p):
+    y1, y2, y3, y4, y5, y6, y7, y8 = y
+    return jnp.stack(
+        [
+            -1.71 * y1 + 0.43 * y2 + 8.32 * y3 + 0.0007,
+            1.71 * y1 - 8.75 * y2,
+            -10.03 * y3 + 0.43 * y4 + 0.035 * y5,
+            8.32 * y2 + 1.71 * y3 - 1.12 * y4,
+            -1.745 * y5 + 0.43 * y6 + 0.43 * y7,
+            -280.0 * y6 * y8 + 0.69 * y4 + 1.71 * y5 - 0.43 * y6 + 0.69 * y7,
+            280.0 * y6 * y8 - 1.81 * y7,
+            -280.0 * y6 * y8 + 1.81 * y7,
+        ]
+    )
+
+
+# name: (vector field, t1, y0, rtol, atol, y(t1) by scipy Radau at rtol 1e-12)
+CLASSICS = {
+    "robertson": (
+        robertson,
+        1e5,
+        [1.0, 0.0, 0.0],
+        1e-6,
+        1e-10,
+        [1.7865921142277624e-02, 7.2747514685101908e-08, 9.8213400611020429e-01],
+    ),
+    "van_der_pol": (
+        van_der_pol,
+        2.0,
+        [2.0, 0.0],
+        1e-6,
+        1e-8,
+        [1.7061677321704154, -0.8928097010248699],
+    ),
+    "hires": (
+        hires,
+        321.8122,
+        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0057],
+        1e-6,
+        1e-10,
+        [
+            7.3713125733253205e-04,
+            1.4424857263161162e-04,
+            5.8887297409669355e-05,
+            1.1756513432830840e-03,
+            2.3863561988303125e-03,
+            6.2389682527396522e-03,
+            2.8499983951850326e-03,
+            2.8500016048149694e-03,
+        ],
+    ),
+}
+
+
+def brusselator(n: int):
+    """The 2-D Brusselator on an n x n periodic grid: (vector field, y0)."""
+    x = np.linspace(0.0, 1.0, n, endpoint=False)
+    X, Y = np.meshgrid(x, x, indexing="ij")
+    spot = jnp.asarray(((X - 0.3) ** 2 + (Y - 0.6) ** 2) <= 0.1**2)
+    alpha = 10.0
+
+    def laplacian(w):
+        rolled = jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1)
+        return (rolled - 4 * w) * (n * n)
+
+    def vf(t, y, p):
+        u, v = y[: n * n].reshape(n, n), y[n * n :].reshape(n, n)
+        forcing = jnp.where(spot & (t >= 1.1), 5.0, 0.0)
+        du = 1 + u * u * v - 4.4 * u + alpha * laplacian(u) + forcing
+        dv = 3.4 * u - u * u * v + alpha * laplacian(v)
+        return jnp.concatenate([du.ravel(), dv.ravel()])
+
+    y0 = np.concatenate([(22 * Y * (1 - Y) ** 1.5).ravel(), (27 * X * (1 - X) ** 1.5).ravel()])
+    return vf, y0
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def error(y, ref, rtol, atol) -> float:
+    ref = np.asarray(ref)
+    return float(np.max(np.abs(np.asarray(y) - ref) / (np.abs(ref) + atol / rtol)))
+
+
+def diffrax_variant(vf, t1, y0, rtol, atol, traces: TraceCounter, problem: str, name: str):
+    """`run(counting)` -> (y(t1), accepted, rejected steps); two compiled programs, with
+    and without the counting callbacks, each compiled ahead on first use."""
+
+    def counted_vf(t, y, args):
+        _tick("rhs")
+        return vf(t, y, args)
+
+    def make(counting: bool):
+        term = diffrax.ODETerm(counted_vf if counting else vf)
+        solver_ = solver(name, counting)
+
+        @jax.jit
+        def solve(y0):
+            traces.tick(f"{problem} {name}{' (counting)' if counting else ''}")
+            sol = diffrax.diffeqsolve(
+                term,
+                solver_,
+                0.0,
+                t1,
+                1e-6,
+                y0,
+                None,
+                stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
+                saveat=diffrax.SaveAt(t1=True),
+                max_steps=100_000,
+            )
+            return sol.ys[-1], sol.stats["num_accepted_steps"], sol.stats["num_rejected_steps"]
+
+        return solve.lower(y0).compile()
+
+    y0 = jnp.asarray(y0)
+    programs = {}
+
+    def run(counting: bool, compile_only: bool = False):
+        if counting not in programs:
+            programs[counting] = make(counting)
+        return None if compile_only else programs[counting](y0)
+
+    return run
+
+
+def scipy_variant(vf, t1, y0, rtol, atol):
+    f = jax.jit(lambda t, y: vf(t, y, None))
+    jac = jax.jit(lambda t, y: jax.jacfwd(lambda y: vf(t, y, None))(y))
+    f(0.0, jnp.asarray(y0)), jac(0.0, jnp.asarray(y0))  # compile outside the timings
+
+    def run(counting: bool, compile_only: bool = False):
+        if compile_only:
+            return None
+        return scipy.integrate.solve_ivp(
+            lambda t, y: np.asarray(f(t, y)),
+            (0.0, t1),
+            y0,
+            method="BDF",
+            rtol=rtol,
+            atol=atol,
+            jac=lambda t, y: np.asarray(jac(t, y)),
+        )
+
+    return run
+
+
+def compare(problem, vf, t1, y0, rtol, atol, ref, rounds, traces, count_in_timed, once=()) -> list:
+    """Table rows: counts and interleaved timed runs of each variant (compiled ahead).
+
+    Counts come from a run of a program with counting callbacks. A callback costs ~10 us
+    to ~1 ms on this machine, so the classics time a program without them
+    (`count_in_timed=False`: one extra counting run); the large system, where a step
+    takes seconds and ~20 callbacks (< 1%), times the counting program itself. Variants
+    in `once` are timed by a single run, before the others' interleaved rounds."""
+    runs = {
+        name: diffrax_variant(vf, t1, y0, rtol, atol, traces, problem, name)
+        for name in (DEFAULT, FIXED, REUSE)
+    }
+    runs[SCIPY] = scipy_variant(vf, t1, np.asarray(y0, np.float64), rtol, atol)
+    start = time.perf_counter()
+    for fn in runs.values():
+        fn(True, compile_only=True)
+        fn(count_in_timed, compile_only=True)
+    progress(f"  s9 {problem}: compiled in {time.perf_counter() - start:.1f} s")
+    counts, outs = {}, {}
+
+    def counting_run(name):
+        COUNTS.clear()
+        outs[name] = jax.block_until_ready(runs[name](True))
+        jax.effects_barrier()
+        counts.setdefault(name, []).append(dict(COUNTS))
+
+    times = {}
+    if count_in_timed:
+        for name in once:
+            times[name] = [timed_call(lambda name=name: counting_run(name))[1]]
+        timed = {name: (lambda name=name: counting_run(name)) for name in runs if name not in once}
+    else:
+        for name in runs:
+            counting_run(name)
+        timed = {name: (lambda fn=fn: fn(False)) for name, fn in runs.items()}
+    times.update(interleaved(timed, rounds))
+    rows = []
+    for name in runs:
+        if name == SCIPY:
+            sol = outs[name]
+            assert sol.success, sol.message
+            y, acc, rej = sol.y[:, -1], len(sol.t) - 1, None
+            lus, jevs, rhs = sol.nlu, sol.njev, sol.nfev
+        else:
+            assert all(c == counts[name][0] for c in counts[name]), counts[name]
+            y, acc, rej = outs[name]
+            acc, rej = int(acc), int(rej)
+            lus = jevs = counts[name][0].get("lu", 0)
+            rhs = counts[name][0].get("rhs", 0)
+        wall = median(times[name])
+        progress(f"  s9 {problem}: {name}: {acc} steps, {lus} LUs, {1e3 * wall:.0f} ms")
+        rows.append(
+            {
+                "problem": problem,
+                "variant": name,
+                "accepted steps": acc,
+                "rejected steps": rej,
+                "LU factorisations": lus,
+                "J evals": jevs,
+                "RHS evals": rhs,
+                "LUs / accepted step": lus / acc,
+                "error": error(y, ref, rtol, atol),
+                "wall [ms]": 1e3 * wall,
+            }
+        )
+    base = next(r["wall [ms]"] for r in rows if r["variant"] == DEFAULT)
+    for r in rows:
+        r["wall / diffrax default"] = r["wall [ms]"] / base
+    return rows
+
+
+def brusselator_reference(vf, t1, y0, rtol, atol):
+    """scipy Radau at rtol 1e-10 with the Jacobian as a sparse matrix."""
+    f = jax.jit(lambda t, y: vf(t, y, None))
+    jac = jax.jit(lambda t, y: jax.jacfwd(lambda y: vf(t, y, None))(y))
+    sol = scipy.integrate.solve_ivp(
+        lambda t, y: np.asarray(f(t, y)),
+        (0.0, t1),
+        y0,
+        method="Radau",
+        rtol=1e-10,
+        atol=1e-10 * atol / rtol,
+        jac=lambda t, y: scipy.sparse.csc_matrix(np.asarray(jac(t, y))),
+    )
+    assert sol.success, sol.message
+    return sol.y[:, -1]
+
+
+def run(size: dict) -> dict | None:
+    if diffrax is None:
+        progress(f's9 diffrax: skipped ({_MISSING}; pip install "memox[diffrax]")')
+        return None
+    with jax.enable_x64(True):
+        return _run(size)
+
+
+def _run(size: dict) -> dict:
+    traces = TraceCounter()
+    rows = []
+    for problem in size["classics"]:
+        vf, t1, y0, rtol, atol, ref = CLASSICS[problem]
+        progress(f"s9 diffrax: {problem}, {size['rounds']} rounds")
+        rows += compare(problem, vf, t1, y0, rtol, atol, ref, size["rounds"], traces, False)
+
+    n, t1 = size["n"], size["t1"]
+    vf, y0 = brusselator(n)
+    rtol, atol = 1e-6, 1e-8
+    name = f"brusselator {n}x{n} (N={2 * n * n})"
+    progress(f"s9 diffrax: {name}, t in [0, {t1}]: reference (Radau, sparse Jacobian)")
+    start = time.perf_counter()
+    ref = brusselator_reference(vf, t1, y0, rtol, atol)
+    progress(f"  s9 reference in {time.perf_counter() - start:.1f} s")
+    rounds = size["rounds_large"]
+    large = compare(name, vf, t1, y0, rtol, atol, ref, rounds, traces, True, once=(DEFAULT,))
+    rows += large
+    assert all(count == 1 for count in traces.counts.values()), traces.counts
+
+    by = {(r["problem"], r["variant"]): r for r in rows}
+    problems = list(dict.fromkeys(r["problem"] for r in rows))
+    metrics = {
+        p: {
+            "LUs per accepted step": {
+                v: by[p, v]["LUs / accepted step"] for v in (DEFAULT, FIXED, REUSE, SCIPY)
+            },
+            "wall / diffrax default": {
+                v: by[p, v]["wall / diffrax default"] for v in (FIXED, REUSE, SCIPY)
+            },
+            "wall reuse / fixed chord": by[p, REUSE]["wall [ms]"] / by[p, FIXED]["wall [ms]"],
+            "wall reuse / scipy BDF": by[p, REUSE]["wall [ms]"] / by[p, SCIPY]["wall [ms]"],
+            "error reuse / default": by[p, REUSE]["error"] / by[p, DEFAULT]["error"],
+            "error reuse / fixed chord": by[p, REUSE]["error"] / by[p, FIXED]["error"],
+        }
+        for p in problems
+    }
+    big = by[name, REUSE]
+    notes = [
+        "Kvaerno5 (diffrax 0.7.2) factorises twice per step attempt: the Newton matrix, and "
+        "the identity for its explicit first stage; the reuse wrapper's root finder does "
+        "neither unless it refreshes.",
+        "diffrax default's chord iteration fails when not converged after two iterations "
+        "(diffrax#754): most of its rejected steps; 'fixed chord' is the same solver with "
+        "the upstream fix, the baseline that isolates what reuse saves.",
+        "The reuse counts are of all executions (rejected steps too); the solver state's "
+        "own counters (`ReuseState`) cover accepted steps only.",
+        f"Wall time: median of {size['rounds']} (classics) and {rounds} (large system) "
+        "interleaved runs of programs compiled ahead; on the large system the diffrax "
+        "default (~6x the others) is timed by one run, before the others. The classics' "
+        "timed programs have no counting callbacks (the counts come from a separate run); "
+        "the large system times its counting programs (~20 callbacks per step of seconds).",
+        f"Large system, memox reuse: {big['LU factorisations']} LUs for "
+        f"{big['accepted steps']} accepted steps, "
+        f"{metrics[name]['wall / diffrax default']['memox reuse']:.2f}x the default's wall "
+        f"time, {metrics[name]['wall reuse / fixed chord']:.2f}x the fixed chord's, "
+        f"{metrics[name]['wall reuse / scipy BDF']:.2f}x scipy BDF's.",
+    ]
+    return {
+        "id": "s9",
+        "title": "diffrax implicit solvers: Jacobian and LU reuse across steps (Kvaerno5)",
+        "sizes": {**size, "unknowns": 2 * n * n, "max_age": 20, "gamma_drift": 0.3},
+        "rows": rows,
+        "metrics": metrics,
+        "notes": notes,
+    }
