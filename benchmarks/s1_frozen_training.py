@@ -1,8 +1,9 @@
 """Scenario 1: a training loop with a frozen expensive part (an eigenbasis).
 
-The model of `examples/finetune_frozen_features.py`: node features are the `k` lowest
-eigenvectors of a frozen graph Laplacian (`eigh`, O(n^3)); an MLP head is trained on
-them with `optax.adamw` in an `eqx.filter_jit` step (a filter spec freezes the Laplacian).
+The model of `examples/finetune_frozen_features.py`, imported from it (`SpectralNet`,
+`CachedSpectralNet`, `graph_problem`): node features are the `k` lowest eigenvectors of a
+frozen graph Laplacian (`eigh`, O(n^3)); an MLP head is trained on them with
+`optax.adamw` in an `eqx.filter_jit` step (a filter spec freezes the Laplacian).
 
 Variants, one jitted step per Python iteration (the jit boundary keeps XLA from hoisting
 the eigh out of the loop):
@@ -40,6 +41,11 @@ from jax import lax
 from jaxtyping import Array, Float
 
 import memox
+from examples import finetune_frozen_features as example
+from examples.finetune_frozen_features import (
+    CachedSpectralNet as ExactNet,  # Exact: memox's default policy
+    SpectralNet,
+)
 from memox import Memo
 from memox.policies import Manual
 
@@ -64,31 +70,6 @@ LR, WEIGHT_DECAY = 3e-3, 1e-4
 HAND = "hand-written"
 
 
-class SpectralNet(eqx.Module):
-    laplacian: Float[Array, "n n"]  # frozen
-    head: eqx.nn.MLP  # trained
-    k: int = eqx.field(static=True)
-
-    def eigenbasis(self) -> Float[Array, "n k"]:
-        _, vecs = jnp.linalg.eigh(self.laplacian)
-        return vecs[:, : self.k] * jnp.sqrt(self.laplacian.shape[0])
-
-    def predict(self) -> Float[Array, " n"]:
-        return predict_from(self.head, self.eigenbasis())
-
-
-def predict_from(head: eqx.nn.MLP, basis: Float[Array, "n k"]) -> Float[Array, " n"]:
-    return jax.vmap(head)(basis)[:, 0]
-
-
-class ExactNet(SpectralNet):
-    basis_cache: Memo[Float[Array, "n k"]] = Memo()
-
-    @memox.cached("basis_cache")
-    def eigenbasis(self) -> Float[Array, "n k"]:
-        return SpectralNet.eigenbasis(self)
-
-
 class ManualNet(SpectralNet):
     basis_cache: Memo[Float[Array, "n k"]] = Memo()
 
@@ -97,16 +78,14 @@ class ManualNet(SpectralNet):
         return SpectralNet.eigenbasis(self)
 
 
+def predict_from(head: eqx.nn.MLP, basis: Float[Array, "n k"]) -> Float[Array, " n"]:
+    """The hand-written variants' forward pass: `SpectralNet.predict` on a given basis."""
+    return jax.vmap(head)(basis)[:, 0]
+
+
 def graph_problem(n: int) -> tuple[Array, Array, Array]:
-    """A random geometric graph's Laplacian (~20 neighbours a node), targets, a mask."""
-    kg, km = jax.random.split(jax.random.key(0))
-    pos = jax.random.uniform(kg, (n, 2))
-    radius = math.sqrt(20 / (math.pi * n))
-    dist = jnp.linalg.norm(pos[:, None] - pos[None], axis=-1)
-    adj = jnp.where((dist < radius) & (dist > 0), 1.0, 0.0)
-    targets = jnp.sin(6 * pos[:, 0]) * jnp.cos(4 * pos[:, 1])
-    mask = jnp.where(jax.random.uniform(km, (n,)) < 0.5, 1.0, 0.0)
-    return jnp.diag(adj.sum(1)) - adj, targets, mask
+    """The example's graph, Laplacian, targets and mask, at ~20 neighbours a node."""
+    return example.graph_problem(jax.random.key(0), n, math.sqrt(20 / (math.pi * n)))
 
 
 def spec_of(model: SpectralNet) -> Any:
