@@ -1,9 +1,10 @@
 """Scenario 2: serving a Gaussian process, its Cholesky factor cached across calls.
 
-The `GP` of `examples/gp_fit_and_serve.py` (float32, fixed hyperparameters): the cached
-method `factor` returns L (L L^T = K + s^2 I, O(n^3)) and alpha = K^-1 y; `predict(Xs)`
-is the posterior mean and variance at a batch of test points. Every predict call is its
-own jit call (a serving loop), so XLA cannot hoist anything across calls.
+The `GP` of `examples/gp_fit_and_serve.py`, imported from it (`GP`, `posterior`,
+`make_gp`), in float32 with its initial hyperparameters: the cached method `factor`
+returns L (L L^T = K + s^2 I, O(n^3)) and alpha = K^-1 y; `predict(Xs)` is the posterior
+mean and variance at a batch of test points. Every predict call is its own jit call (a
+serving loop), so XLA cannot hoist anything across calls.
 
 Variants (per-call latency, interleaved call by call):
 
@@ -23,11 +24,9 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
-from jaxtyping import Array, Float
 
 import memox
-from memox import Memo
+from examples.gp_fit_and_serve import GP, make_gp, posterior
 
 from ._common import (
     TraceCounter,
@@ -47,50 +46,13 @@ SIZES = {
     "quick": dict(n=500, dim=2, batch=64, rounds=15),
 }
 HAND = "hand-written"
-Factors = tuple[Float[Array, "n n"], Float[Array, " n"]]
-
-
-class GP(eqx.Module):
-    X: Float[Array, "n d"]
-    y: Float[Array, " n"]
-    log_lengthscale: Float[Array, ""]
-    log_signal_var: Float[Array, ""]
-    log_noise_var: Float[Array, ""]
-    factor_cache: Memo[Factors] = Memo()
-
-    def kernel(self, a: Float[Array, "p d"], b: Float[Array, "q d"]) -> Float[Array, "p q"]:
-        d2 = jnp.sum((a[:, None, :] - b[None, :, :]) ** 2, axis=-1)
-        return jnp.exp(self.log_signal_var - 0.5 * d2 / jnp.exp(2 * self.log_lengthscale))
-
-    @memox.cached("factor_cache")
-    def factor(self) -> Factors:
-        noise = jnp.exp(self.log_noise_var) * jnp.eye(self.X.shape[0])
-        L = jnp.linalg.cholesky(self.kernel(self.X, self.X) + noise)
-        return L, jsl.cho_solve((L, True), self.y)
-
-    def predict(self, Xs: Float[Array, "m d"]) -> tuple[Array, Array]:
-        return posterior(self, *self.factor(), Xs)
-
-
-def posterior(gp: GP, L: Array, alpha: Array, Xs: Array) -> tuple[Array, Array]:
-    """Posterior mean and latent variance at `Xs`, given L and alpha."""
-    Ks = gp.kernel(Xs, gp.X)
-    v = jsl.solve_triangular(L, Ks.T, lower=True)
-    return Ks @ alpha, jnp.exp(gp.log_signal_var) - jnp.sum(v**2, axis=0)
-
-
-def make_gp(n: int, dim: int) -> GP:
-    kx, kn = jax.random.split(jax.random.key(0))
-    X = jax.random.uniform(kx, (n, dim), minval=-3.0, maxval=3.0)
-    y = jnp.sin(2 * X[:, 0]) + 0.5 * jnp.cos(3 * X[:, 1]) + 0.1 * jax.random.normal(kn, (n,))
-    return GP(X, y, jnp.asarray(0.0), jnp.asarray(0.0), jnp.log(jnp.asarray(0.1)))
 
 
 def run(size: dict) -> dict:
     n, batch = size["n"], size["batch"]
     progress(f"s2 GP serving: n={n}, batches of {batch} points, {size['rounds']} rounds")
     traces = TraceCounter()
-    bare = make_gp(n, size["dim"])
+    bare = make_gp(jax.random.key(0), n, size["dim"])
     Xs = jax.random.uniform(jax.random.key(1), (batch, size["dim"]), minval=-3.0, maxval=3.0)
 
     def counted(name, fn):

@@ -58,7 +58,7 @@ def slots(sizes: dict) -> list[dict]:
             f"s1 ManualNet.eigenbasis (n={n1})",
             memox.init(s1.ManualNet(laplacian, head, k)).basis_cache,
         ),
-        (f"s2 GP.factor (n={n2})", memox.init(s2.make_gp(n2, 2)).factor_cache),
+        (f"s2 GP.factor (n={n2})", memox.init(s2.make_gp(jax.random.key(0), n2, 2)).factor_cache),
         (f"s4 Solver.factor (n={n4})", memox.init(solver).factor_cache),
         ("Table.scaled, Memo(size=8)", table.table),
     ]
