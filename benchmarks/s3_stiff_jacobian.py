@@ -1,18 +1,24 @@
 """Scenario 3: Jacobian and LU reuse in a stiff implicit integrator, inside one scan.
 
-The integrator of `examples/stiff_ode_jacobian_reuse.py`: the Robertson problem by
-variable-step BDF2 on a fixed log-spaced grid, one `lax.scan` over the steps, Newton's
-method on `z - gamma f(z) = a` with the LU of `I - gamma J`. Float64 (inside
-`jax.enable_x64`). Variants:
+The integrator of `examples/stiff_ode_jacobian_reuse.py`, imported from it (the Robertson
+problem, `NewtonMatrix`, Newton's method, its memox step `reuse_step` and `integrate`):
+variable-step BDF2 on a log-spaced grid, one `lax.scan` over the steps, Newton's method
+on `z - gamma f(z) = a` with the LU of `I - gamma J`. Float64 (inside `jax.enable_x64`).
+Variants:
 
-- memox: CVODE's reuse policy in memox: `J` is `Manual(max_age=50)`, refreshed by
-  `memox.invalidate` when Newton fails with a stale `J` (then the step is retried); the
-  LU is keyed by `J` and `Drift(rtol=0.3, max_age=20)` on `gamma`;
+- memox: CVODE's reuse policy in memox (the example's `reuse_step`): `J` is
+  `Manual(max_age=50)`, refreshed by `memox.invalidate` when Newton fails with a stale
+  `J` (then the step is retried); the LU is keyed by `J` and `Drift(rtol=0.3,
+  max_age=20)` on `gamma`;
 - refactorise always: full Newton, a fresh `J` and LU at every Newton iterate;
 - refactorise every step: a fresh `J` and LU once per step (no reuse across steps);
 - hand-written: the same CVODE policy written by hand without memox: `J`, the LU, the
   `gamma` it was factorised at and the reuse counters are carried in the scan state,
   and `lax.cond` recomputes them.
+
+The last three are defined here and carry their counts in the scan state: the example
+counts with host callbacks, which it leaves out when imported (they would dominate the
+wall time of a 3x3 system).
 
 memox and hand-written make the same decisions, so their counts must agree exactly.
 FLOPs: J evaluations x FLOPs of one, factorisations x FLOPs of one, Newton iterations x
@@ -26,12 +32,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import lu_factor, lu_solve
-from jaxtyping import Array, Float
+from jax.scipy.linalg import lu_factor
+from jaxtyping import Array
 
 import memox
-from memox import Memo
-from memox.policies import Drift, Manual
+from examples.stiff_ode_jacobian_reuse import (
+    DGMAX,
+    MSBJ,
+    MSBP,
+    Y0,
+    NewtonMatrix,
+    factorise,
+    integrate,
+    jacobian,
+    newton,
+    newton_iteration,
+    newton_lu,
+    reuse_step,
+)
 
 from ._common import (
     TraceCounter,
@@ -49,92 +67,22 @@ SIZES = {
     "full": dict(steps_per_decade=75, rounds=15),
     "quick": dict(steps_per_decade=25, rounds=5),
 }
-MSBJ, MSBP, DGMAX = 50, 20, 0.3  # CVODE's reuse limits (reuses of J, of LU; gamma drift)
-MAX_ITERS = 3
-NEWTON_RTOL, NEWTON_ATOL = 1e-5, 1e-11
-Y0 = np.array([1.0, 0.0, 0.0])
 HAND = "hand-written"
 
 
-def robertson(y: Float[Array, " 3"]) -> Float[Array, " 3"]:
-    y1, y2, y3 = y
-    return jnp.stack(
-        [-0.04 * y1 + 1e4 * y2 * y3, 0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2, 3e7 * y2**2]
-    )
-
-
-def jacobian(y: Float[Array, " 3"]) -> Float[Array, "3 3"]:
-    return jax.jacfwd(robertson)(y)
-
-
-def factorise(jac: Float[Array, "3 3"], gamma: Float[Array, ""]) -> tuple[Array, Array]:
-    return lu_factor(jnp.eye(3) - gamma * jac)
-
-
-class NewtonMatrix(eqx.Module):
-    y: Float[Array, " 3"]
-    gamma: Float[Array, ""]
-    jac_cache: Memo[Float[Array, "3 3"]] = Memo()
-    lu_cache: Memo[tuple[Array, Array]] = Memo()
-
-    @memox.cached("jac_cache", policy=Manual(max_age=MSBJ))
-    def jac(self) -> Float[Array, "3 3"]:
-        return jacobian(self.y)
-
-    @memox.cached("lu_cache", policy=Drift(rtol=DGMAX, max_age=MSBP))
-    def lu(self, jac: Float[Array, "3 3"]) -> tuple[Array, Array]:
-        return factorise(jac, self.gamma)
-
-
-def newton_lu(m: NewtonMatrix) -> tuple[Array, Array]:
-    return m.lu(m.jac())
-
-
-def newton_iteration(z, a, gamma, lu):
-    """One Newton update and whether it converged."""
-    dz = lu_solve(lu, a + gamma * robertson(z) - z)
-    weights = NEWTON_RTOL * jnp.abs(z) + NEWTON_ATOL
-    return z + dz, jnp.sqrt(jnp.mean((dz / weights) ** 2)) <= 1.0
-
-
-def newton(z, a, gamma, lu_at):
-    """Solve `z - gamma f(z) = a` from `z`; `lu_at(z)` is the LU used at iterate `z`."""
-
-    def body(state):
-        z, k, _ = state
-        z, ok = newton_iteration(z, a, gamma, lu_at(z))
-        return z, k + 1, ok
-
-    cond = lambda state: ~state[2] & (state[1] < MAX_ITERS)  # noqa: E731
-    return lax.while_loop(cond, body, (z, 0, jnp.asarray(False)))
-
-
-# Each step function: (state, y, a, gamma, z0) -> (state, z, newton iterations, converged).
-
-
-def memox_step(model, y, a, gamma, z0):
-    model = eqx.tree_at(lambda m: (m.y, m.gamma), model, (y, gamma))
-    lu, model = memox.call(model, newton_lu)
-    z, iters, ok = newton(z0, a, gamma, lambda _: lu)
-
-    def retry(model):
-        model = memox.invalidate(model, NewtonMatrix.jac)
-        lu, model = memox.call(model, newton_lu)
-        z, more, ok = newton(z0, a, gamma, lambda _: lu)
-        return model, z, iters + more, ok
-
-    return lax.cond(ok, lambda model: (model, z, iters, ok), retry, model)
+# Each step function, as the example's `reuse_step`: (state, y, a, gamma, z0) ->
+# (state, z, Newton iterations, converged, retried).
 
 
 def every_step(count, y, a, gamma, z0):
     lu = factorise(jacobian(y), gamma)
     z, iters, ok = newton(z0, a, gamma, lambda _: lu)
-    return count + 1, z, iters, ok  # one J and one LU per step
+    return count + 1, z, iters, ok, jnp.asarray(False)  # one J and one LU per step
 
 
 def full_newton_step(count, y, a, gamma, z0):
     z, iters, ok = newton(z0, a, gamma, lambda z: factorise(jacobian(z), gamma))
-    return count + iters, z, iters, ok  # one J and one LU per iteration
+    return count + iters, z, iters, ok, jnp.asarray(False)  # one J and LU per iteration
 
 
 class Reuse(eqx.Module):
@@ -196,30 +144,22 @@ def hand_step(s: Reuse, y, a, gamma, z0):
     def retry(s):
         s = hand_newton_lu(s, y, gamma, jnp.asarray(True))
         z, more, ok = newton(z0, a, gamma, lambda _: s.lu)
-        return s, z, iters + more, ok
+        return s, z, iters + more, ok, jnp.asarray(True)
 
-    return lax.cond(ok, lambda s: (s, z, iters, ok), retry, s)
+    keep = lambda s: (s, z, iters, ok, jnp.asarray(False))  # noqa: E731
+    return lax.cond(ok, keep, retry, s)
 
 
 def make_integrate(step, grid, traces: TraceCounter, name: str):
+    """The example's `integrate` over `grid` with `step`, as one jitted function of the
+    initial state."""
+
     @eqx.filter_jit
-    def integrate(state):
+    def run(state):
         traces.tick(name)
+        return integrate(step, state, grid)
 
-        def body(carry, t_next):
-            state, y, y_prev, t, h_prev = carry
-            h = t_next - t
-            w = h / h_prev  # 0 on the first step: implicit Euler
-            a = ((1 + w) ** 2 * y - w**2 * y_prev) / (1 + 2 * w)
-            gamma = h * (1 + w) / (1 + 2 * w)
-            state, z, iters, ok = step(state, y, a, gamma, y + w * (y - y_prev))
-            return (state, z, y, t_next, h), (z, iters, ok)
-
-        carry = (state, jnp.asarray(Y0), jnp.asarray(Y0), grid[0], jnp.inf)
-        (state, *_), (ys, iters, ok) = lax.scan(body, carry, jnp.asarray(grid[1:]))
-        return state, ys, iters, ok
-
-    return integrate
+    return run
 
 
 def run(size: dict) -> dict:
@@ -235,7 +175,7 @@ def _run(size: dict) -> dict:
     traces = TraceCounter()
     model = memox.init(NewtonMatrix(jnp.asarray(Y0), jnp.asarray(0.0)), newton_lu)
     variants = {
-        "memox": (memox_step, model),
+        "memox": (reuse_step, model),
         "refactorise always": (full_newton_step, jnp.zeros((), jnp.int32)),
         "refactorise every step": (every_step, jnp.zeros((), jnp.int32)),
         HAND: (hand_step, Reuse.empty()),

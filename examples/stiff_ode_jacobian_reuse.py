@@ -20,8 +20,9 @@ whenever the state moves by 30%.
 It is compared with the same integrator doing full Newton (a fresh `J` and LU at every
 Newton iteration) and with `scipy.integrate.solve_ivp(method="BDF")`. Jacobian
 evaluations and factorisations are counted by `jax.debug.callback` (once per real
-execution) and, for memox, also read from `memox.stats`; errors are relative to a
-`Radau` solution with `rtol=1e-10, atol=1e-14`.
+execution; only when this file runs as a script: `benchmarks/s3_stiff_jacobian.py`
+imports the integrator) and, for memox, also read from `memox.stats`; errors are
+relative to a `Radau` solution with `rtol=1e-10, atol=1e-14`.
 """
 
 import collections
@@ -41,8 +42,6 @@ from memox import Memo
 from memox.policies import Drift, Manual
 
 
-jax.config.update("jax_enable_x64", True)
-
 MSBJ, MSBP, DGMAX = 50, 20, 0.3  # CVODE's reuse limits (reuses of J, of LU; gamma drift)
 MAX_ITERS = 3  # Newton iterations per attempt (CVODE: 3 corrections)
 NEWTON_RTOL, NEWTON_ATOL = 1e-5, 1e-11  # converged: weighted RMS of the update <= 1
@@ -52,6 +51,7 @@ T = np.concatenate([[0.0], np.logspace(-6, 2, 8 * STEPS_PER_DECADE + 1)])
 OUTPUT = np.arange(3 * STEPS_PER_DECADE, len(T) - 1, STEPS_PER_DECADE)
 Y0 = np.array([1.0, 0.0, 0.0])
 COUNTS = collections.Counter()  # executions of `jacobian` and `factorise`
+COUNTING = __name__ == "__main__"  # imported (by the benchmarks), nothing is counted
 
 
 def robertson(y: Float[Array, "3"]) -> Float[Array, "3"]:
@@ -62,12 +62,14 @@ def robertson(y: Float[Array, "3"]) -> Float[Array, "3"]:
 
 
 def jacobian(y: Float[Array, "3"]) -> Float[Array, "3 3"]:
-    jax.debug.callback(lambda: COUNTS.update(["jac"]))  # per execution, not per trace
+    if COUNTING:  # a host callback: once per execution, not per trace
+        jax.debug.callback(lambda: COUNTS.update(["jac"]))
     return jax.jacfwd(robertson)(y)
 
 
 def factorise(jac: Float[Array, "3 3"], gamma: Float[Array, ""]) -> tuple[Array, Array]:
-    jax.debug.callback(lambda: COUNTS.update(["lu"]))
+    if COUNTING:
+        jax.debug.callback(lambda: COUNTS.update(["lu"]))
     return lu_factor(jnp.eye(3) - gamma * jac)
 
 
@@ -94,6 +96,13 @@ def newton_lu(m: NewtonMatrix) -> tuple[Array, Array]:
     return m.lu(m.jac())
 
 
+def newton_iteration(z, a, gamma, lu):
+    """One Newton update of `z`, and whether it converged."""
+    dz = lu_solve(lu, a + gamma * robertson(z) - z)
+    weights = NEWTON_RTOL * jnp.abs(z) + NEWTON_ATOL
+    return z + dz, jnp.sqrt(jnp.mean((dz / weights) ** 2)) <= 1.0
+
+
 def newton(z, a, gamma, lu_at):
     """Solve `z - gamma * f(z) = a` from `z`; `lu_at(z)` is the LU to use at iterate `z`.
 
@@ -101,9 +110,8 @@ def newton(z, a, gamma, lu_at):
 
     def body(state):
         z, k, _ = state
-        dz = lu_solve(lu_at(z), a + gamma * robertson(z) - z)
-        weights = NEWTON_RTOL * jnp.abs(z) + NEWTON_ATOL
-        return z + dz, k + 1, jnp.sqrt(jnp.mean((dz / weights) ** 2)) <= 1.0
+        z, ok = newton_iteration(z, a, gamma, lu_at(z))
+        return z, k + 1, ok
 
     cond = lambda state: ~state[2] & (state[1] < MAX_ITERS)  # noqa: E731
     return lax.while_loop(cond, body, (z, 0, jnp.asarray(False)))
@@ -132,8 +140,8 @@ def full_newton_step(model, y, a, gamma, z0):
 
 
 @eqx.filter_jit
-def integrate(step, model):
-    """Variable-step BDF2 over the grid `T` (the first step is implicit Euler)."""
+def integrate(step, model, grid):
+    """Variable-step BDF2 over the times `grid` (the first step is implicit Euler)."""
 
     def body(carry, t_next):
         model, y, y_prev, t, h_prev = carry
@@ -144,8 +152,8 @@ def integrate(step, model):
         model, z, *counts = step(model, y, a, gamma, y + w * (y - y_prev))
         return (model, z, y, t_next, h), (z, *counts)
 
-    carry = (model, jnp.asarray(Y0), jnp.asarray(Y0), T[0], jnp.inf)
-    (model, *_), (ys, iters, ok, retried) = lax.scan(body, carry, jnp.asarray(T[1:]))
+    carry = (model, jnp.asarray(Y0), jnp.asarray(Y0), grid[0], jnp.inf)
+    (model, *_), (ys, iters, ok, retried) = lax.scan(body, carry, grid[1:])
     return model, ys, iters, ok, retried
 
 
@@ -170,10 +178,10 @@ def max_rel_error(ys, reference) -> float:
 
 def run_jax(name, step, model, reference) -> tuple[list, str]:
     """A table row for an integrator in JAX, from its second (compiled) run."""
-    integrate(step, model)
+    integrate(step, model, T)
     COUNTS.clear()
     start = time.perf_counter()
-    model, ys, iters, ok, retried = jax.block_until_ready(integrate(step, model))
+    model, ys, iters, ok, retried = jax.block_until_ready(integrate(step, model, T))
     jax.effects_barrier()  # every pending counter callback has run
     wall = time.perf_counter() - start
     if model is not None:  # memox's own counters agree with the callbacks'
@@ -223,4 +231,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_enable_x64", True)
     main()
