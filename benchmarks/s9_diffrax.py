@@ -30,13 +30,13 @@ take seconds, times the counting programs themselves (~20 callbacks per step). "
 Jacobian in `init`); "RHS evals" include the one primal evaluation inside each. For
 scipy, its own `njev`, `nlu`, `nfev` (nfev without the Jacobian's). Errors are the
 max over components of `|y - ref| / (|ref| + atol / rtol)` at the final time, against
-Radau (scipy) at rtol 1e-12 for the classics (stored below) and rtol 1e-10 with a
-sparse Jacobian for the Brusselator (computed in the run).
+Radau (scipy) at rtol 1e-12 for the classics (stored with them) and rtol 1e-10 with a
+sparse Jacobian for the Brusselator (computed in the run). The problems, the counting
+LU and the fixed-chord baseline are `examples/stiff_problems.py`'s.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 
 import jax
@@ -48,12 +48,18 @@ from ._common import TraceCounter, interleaved, median, progress, timed as timed
 
 try:
     import diffrax
-    import lineax as lx
-    import optimistix as optx
     import scipy.integrate
     import scipy.sparse
 
     import memox.diffrax
+    from examples.stiff_problems import (
+        CLASSICS,
+        COUNTS,
+        FixedVeryChord,
+        brusselator,
+        kvaerno5,
+        relative_error,
+    )
 except ImportError as error:  # diffrax is an optional extra: `pip install "memox[diffrax]"`
     diffrax = None
     _MISSING = str(error)
@@ -72,152 +78,19 @@ DEFAULT, FIXED, REUSE, SCIPY = (
     "memox reuse",
     "scipy BDF",
 )
-COUNTS = collections.Counter()
 
 
 def _tick(name: str) -> None:
     jax.debug.callback(lambda: COUNTS.update([name]))
 
 
-if diffrax is not None:
-
-    class CountingLU(lx.LU):
-        """`lineax.LU` (what diffrax's default `AutoLinearSolver` picks here), counting
-        its factorisations as they run."""
-
-        def init(self, operator, options):
-            _tick("lu")
-            return super().init(operator, options)
-
-    class FixedVeryChord(diffrax.VeryChord):
-        """`diffrax.VeryChord` with diffrax#754's termination: a converging iteration is
-        not reported as diverged after its second step (as `memox.diffrax`'s)."""
-
-        def terminate(self, fn, y, args, options, state, tags):
-            at_least_two = state.step >= 2
-            rate = state.diffsize / state.diffsize_prev
-            factor = state.diffsize * rate / (1 - rate)
-            small = state.diffsize < 10 ** (2 - jnp.finfo(state.diffsize.dtype).precision)
-            diverged = ~jnp.isfinite(rate) | (rate > 2)
-            converged = (factor > 0) & (factor < self.kappa)
-            terminate = at_least_two & (small | diverged | converged)
-            result = optx.RESULTS.where(
-                at_least_two & ~small & diverged,
-                optx.RESULTS.nonlinear_divergence,
-                optx.RESULTS.successful,
-            )
-            linsolve_fail = state.result != optx.RESULTS.successful
-            result = optx.RESULTS.where(linsolve_fail, state.result, result)
-            return terminate | linsolve_fail, result
-
-
 def solver(name: str, counting: bool):
     """The variant's solver; `counting`: with a linear solver that counts its LUs."""
-    chord = FixedVeryChord if name == FIXED else diffrax.VeryChord
-    if counting:
-        root_finder = diffrax.with_stepsize_controller_tols(chord)(linear_solver=CountingLU())
-    else:
-        root_finder = diffrax.with_stepsize_controller_tols(chord)()
-    kvaerno5 = diffrax.Kvaerno5(root_finder=root_finder)
-    return memox.diffrax.ReuseJacobian(kvaerno5) if name == REUSE else kvaerno5
-
-
-# -- the problems ------------------------------------------------------------------------
-
-
-def robertson(t, y, p):
-    y1, y2, y3 = y
-    return jnp.stack(
-        [-0.04 * y1 + 1e4 * y2 * y3, 0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2, 3e7 * y2**2]
-    )
-
-
-def van_der_pol(t, y, p):
-    return jnp.stack([y[1], ((1 - y[0] ** 2) * y[1] - y[0]) / 1e-6])
-
-
-def hires(t, y, p):
-    y1, y2, y3, y4, y5, y6, y7, y8 = y
-    return jnp.stack(
-        [
-            -1.71 * y1 + 0.43 * y2 + 8.32 * y3 + 0.0007,
-            1.71 * y1 - 8.75 * y2,
-            -10.03 * y3 + 0.43 * y4 + 0.035 * y5,
-            8.32 * y2 + 1.71 * y3 - 1.12 * y4,
-            -1.745 * y5 + 0.43 * y6 + 0.43 * y7,
-            -280.0 * y6 * y8 + 0.69 * y4 + 1.71 * y5 - 0.43 * y6 + 0.69 * y7,
-            280.0 * y6 * y8 - 1.81 * y7,
-            -280.0 * y6 * y8 + 1.81 * y7,
-        ]
-    )
-
-
-# name: (vector field, t1, y0, rtol, atol, y(t1) by scipy Radau at rtol 1e-12)
-CLASSICS = {
-    "robertson": (
-        robertson,
-        1e5,
-        [1.0, 0.0, 0.0],
-        1e-6,
-        1e-10,
-        [1.7865921142277624e-02, 7.2747514685101908e-08, 9.8213400611020429e-01],
-    ),
-    "van_der_pol": (
-        van_der_pol,
-        2.0,
-        [2.0, 0.0],
-        1e-6,
-        1e-8,
-        [1.7061677321704154, -0.8928097010248699],
-    ),
-    "hires": (
-        hires,
-        321.8122,
-        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0057],
-        1e-6,
-        1e-10,
-        [
-            7.3713125733253205e-04,
-            1.4424857263161162e-04,
-            5.8887297409669355e-05,
-            1.1756513432830840e-03,
-            2.3863561988303125e-03,
-            6.2389682527396522e-03,
-            2.8499983951850326e-03,
-            2.8500016048149694e-03,
-        ],
-    ),
-}
-
-
-def brusselator(n: int):
-    """The 2-D Brusselator on an n x n periodic grid: (vector field, y0)."""
-    x = np.linspace(0.0, 1.0, n, endpoint=False)
-    X, Y = np.meshgrid(x, x, indexing="ij")
-    spot = jnp.asarray(((X - 0.3) ** 2 + (Y - 0.6) ** 2) <= 0.1**2)
-    alpha = 10.0
-
-    def laplacian(w):
-        rolled = jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1)
-        return (rolled - 4 * w) * (n * n)
-
-    def vf(t, y, p):
-        u, v = y[: n * n].reshape(n, n), y[n * n :].reshape(n, n)
-        forcing = jnp.where(spot & (t >= 1.1), 5.0, 0.0)
-        du = 1 + u * u * v - 4.4 * u + alpha * laplacian(u) + forcing
-        dv = 3.4 * u - u * u * v + alpha * laplacian(v)
-        return jnp.concatenate([du.ravel(), dv.ravel()])
-
-    y0 = np.concatenate([(22 * Y * (1 - Y) ** 1.5).ravel(), (27 * X * (1 - X) ** 1.5).ravel()])
-    return vf, y0
+    kvaerno = kvaerno5(FixedVeryChord if name == FIXED else diffrax.VeryChord, counting)
+    return memox.diffrax.ReuseJacobian(kvaerno) if name == REUSE else kvaerno
 
 
 # -- running -------------------------------------------------------------------------------
-
-
-def error(y, ref, rtol, atol) -> float:
-    ref = np.asarray(ref)
-    return float(np.max(np.abs(np.asarray(y) - ref) / (np.abs(ref) + atol / rtol)))
 
 
 def diffrax_variant(vf, t1, y0, rtol, atol, traces: TraceCounter, problem: str, name: str):
@@ -344,7 +217,7 @@ def compare(problem, vf, t1, y0, rtol, atol, ref, rounds, traces, count_in_timed
                 "J evals": jevs,
                 "RHS evals": rhs,
                 "LUs / accepted step": lus / acc,
-                "error": error(y, ref, rtol, atol),
+                "error": relative_error(y, ref, rtol, atol),
                 "wall [ms]": 1e3 * wall,
             }
         )
@@ -383,7 +256,12 @@ def _run(size: dict) -> dict:
     traces = TraceCounter()
     rows = []
     for problem in size["classics"]:
-        vf, t1, y0, rtol, atol, ref = CLASSICS[problem]
+        p = CLASSICS[problem]
+
+        def vf(t, y, _, p=p):  # the parameters as constants of the program
+            return p.vector_field(t, y, p.args)
+
+        t1, y0, rtol, atol, ref = p.t1, p.y0, p.rtol, p.atol, p.reference
         progress(f"s9 diffrax: {problem}, {size['rounds']} rounds")
         rows += compare(problem, vf, t1, y0, rtol, atol, ref, size["rounds"], traces, False)
 

@@ -17,80 +17,26 @@ solver), errors are relative to scipy's Radau at rtol 1e-10.
     pip install "memox[diffrax]" scipy && python examples/diffrax_stiff.py
 """
 
-import collections
 import time
 
 import diffrax
 import jax
 import jax.numpy as jnp
-import lineax as lx
 import numpy as np
-import optimistix as optx
 import scipy.integrate
 import scipy.sparse
+from stiff_problems import COUNTS, FixedVeryChord, brusselator, kvaerno5, relative_error
 
 import memox.diffrax
 
 
-jax.config.update("jax_enable_x64", True)
-
 N, T1, RTOL, ATOL = 12, 0.5, 1e-6, 1e-8
-x = np.linspace(0.0, 1.0, N, endpoint=False)
-X, Y = np.meshgrid(x, x, indexing="ij")
-Y0 = np.concatenate([(22 * Y * (1 - Y) ** 1.5).ravel(), (27 * X * (1 - X) ** 1.5).ravel()])
-COUNTS = collections.Counter()
-
-
-def brusselator(t, y, args):
-    u, v = y[: N * N].reshape(N, N), y[N * N :].reshape(N, N)
-
-    def laplacian(w):
-        neighbours = (
-            jnp.roll(w, 1, 0) + jnp.roll(w, -1, 0) + jnp.roll(w, 1, 1) + jnp.roll(w, -1, 1)
-        )
-        return (neighbours - 4 * w) * N * N
-
-    du = 1 + u * u * v - 4.4 * u + 10.0 * laplacian(u)
-    dv = 3.4 * u - u * u * v + 10.0 * laplacian(v)
-    return jnp.concatenate([du.ravel(), dv.ravel()])
-
-
-class CountingLU(lx.LU):
-    """`lineax.LU`, counting factorisations (and so Jacobian evaluations) as they run."""
-
-    def init(self, operator, options):
-        jax.debug.callback(lambda: COUNTS.update(["LU"]))
-        return super().init(operator, options)
-
-
-class FixedVeryChord(diffrax.VeryChord):
-    """`diffrax.VeryChord` reporting a failure on divergence only (diffrax#754)."""
-
-    def terminate(self, fn, y, args, options, state, tags):
-        rate = state.diffsize / state.diffsize_prev
-        factor = state.diffsize * rate / (1 - rate)
-        small = state.diffsize < 10 ** (2 - jnp.finfo(state.diffsize.dtype).precision)
-        diverged = ~jnp.isfinite(rate) | (rate > 2)
-        converged = (factor > 0) & (factor < self.kappa)
-        stop = (state.step >= 2) & (small | diverged | converged)
-        failed = (state.step >= 2) & ~small & diverged
-        divergence = optx.RESULTS.where(
-            failed, optx.RESULTS.nonlinear_divergence, optx.RESULTS.successful
-        )
-        linsolve_failed = state.result != optx.RESULTS.successful
-        return stop | linsolve_failed, optx.RESULTS.where(
-            linsolve_failed, state.result, divergence
-        )
-
-
-def kvaerno5(chord=diffrax.VeryChord):
-    root_finder = diffrax.with_stepsize_controller_tols(chord)(linear_solver=CountingLU())
-    return diffrax.Kvaerno5(root_finder=root_finder)
+VECTOR_FIELD, Y0 = brusselator(N)
 
 
 def solve(solver, y0):
     return diffrax.diffeqsolve(
-        diffrax.ODETerm(brusselator),
+        diffrax.ODETerm(VECTOR_FIELD),
         solver,
         t0=0.0,
         t1=T1,
@@ -104,9 +50,9 @@ def solve(solver, y0):
 
 def main() -> None:
     start = time.perf_counter()
-    jac = jax.jit(jax.jacfwd(lambda y: brusselator(0.0, y, None)))
+    jac = jax.jit(jax.jacfwd(lambda y: VECTOR_FIELD(0.0, y, None)))
     reference = scipy.integrate.solve_ivp(
-        lambda t, y: np.asarray(brusselator(t, y, None)),
+        lambda t, y: np.asarray(VECTOR_FIELD(t, y, None)),
         (0.0, T1),
         Y0,
         method="Radau",
@@ -134,10 +80,8 @@ def main() -> None:
         jax.effects_barrier()
         accepted = int(sol.stats["num_accepted_steps"])
         rejected = int(sol.stats["num_rejected_steps"])
-        err = np.max(
-            np.abs(np.asarray(sol.ys[-1]) - reference) / (np.abs(reference) + ATOL / RTOL)
-        )
-        lus = COUNTS["LU"]
+        err = relative_error(sol.ys[-1], reference, RTOL, ATOL)
+        lus = COUNTS["lu"]
         print(
             f"{name:28}{accepted:9d}{rejected:9d}{lus:9d}{lus / accepted:9.2f}"
             f"{err:9.1e}{wall:8.2f}s"
@@ -153,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_enable_x64", True)
     main()

@@ -3,10 +3,9 @@
 Factorisations are counted by real executions (`jax.debug.callback` in the linear
 solver's `init`, which factorises), for the wrapped and the unwrapped solvers alike, and
 checked against the counters in the solver state. Errors are relative to Radau
-solutions at rtol 1e-12 (scipy), stored below.
+solutions at rtol 1e-12 (scipy), stored with the problems in examples/stiff_problems.py.
 """
 
-import collections
 import re
 import subprocess
 import sys
@@ -24,6 +23,15 @@ import numpy as np  # noqa: E402
 import optimistix as optx  # noqa: E402
 
 import memox.diffrax  # noqa: E402
+from examples.stiff_problems import (  # noqa: E402
+    CLASSICS,
+    COUNTS,
+    CountingLU,
+    FixedVeryChord,
+    kvaerno5,
+    relative_error,
+    robertson,
+)
 from memox.diffrax import ReuseJacobian, ReuseState  # noqa: E402
 
 
@@ -43,121 +51,14 @@ def _x64():
         yield
 
 
-COUNTS = collections.Counter()  # executions, not traces
-
-
-class CountingLU(lx.LU):
-    """`lineax.LU`, counting its factorisations as they run."""
-
-    def init(self, operator, options):
-        jax.debug.callback(lambda: COUNTS.update(["lu"]))
-        return super().init(operator, options)
-
-
-class FixedVeryChord(diffrax.VeryChord):
-    """`diffrax.VeryChord` with the termination fix of diffrax#754 (after 0.7.2): a
-    converging iteration is not reported as diverged after its second step. The
-    unwrapped baseline that `ReuseJacobian`'s root finder matches."""
-
-    def terminate(self, fn, y, args, options, state, tags):
-        at_least_two = state.step >= 2
-        rate = state.diffsize / state.diffsize_prev
-        factor = state.diffsize * rate / (1 - rate)
-        small = state.diffsize < 10 ** (2 - jnp.finfo(state.diffsize.dtype).precision)
-        diverged = ~jnp.isfinite(rate) | (rate > 2)
-        converged = (factor > 0) & (factor < self.kappa)
-        terminate = at_least_two & (small | diverged | converged)
-        failed = at_least_two & ~small & diverged
-        result = optx.RESULTS.where(
-            failed, optx.RESULTS.nonlinear_divergence, optx.RESULTS.successful
-        )
-        linsolve_fail = state.result != optx.RESULTS.successful
-        result = optx.RESULTS.where(linsolve_fail, state.result, result)
-        return terminate | linsolve_fail, result
-
-
-def kvaerno5(root_finder=diffrax.VeryChord):
-    tols = diffrax.with_stepsize_controller_tols(root_finder)
-    return diffrax.Kvaerno5(root_finder=tols(linear_solver=CountingLU()))
-
-
 def implicit_euler():
     tols = diffrax.with_stepsize_controller_tols(optx.Chord)
     return diffrax.ImplicitEuler(root_finder=tols(linear_solver=CountingLU()))
 
 
-def robertson(t, y, args):
-    k1, k2, k3 = args
-    y1, y2, y3 = y
-    return jnp.stack([-k1 * y1 + k3 * y2 * y3, k1 * y1 - k3 * y2 * y3 - k2 * y2**2, k2 * y2**2])
-
-
-def van_der_pol(t, y, args):  # mu = 1000 in Hairer's scaling: eps = 1 / mu^2
-    (eps,) = args
-    return jnp.stack([y[1], ((1 - y[0] ** 2) * y[1] - y[0]) / eps])
-
-
-def hires(t, y, args):
-    y1, y2, y3, y4, y5, y6, y7, y8 = y
-    return jnp.stack(
-        [
-            -1.71 * y1 + 0.43 * y2 + 8.32 * y3 + 0.0007,
-            1.71 * y1 - 8.75 * y2,
-            -10.03 * y3 + 0.43 * y4 + 0.035 * y5,
-            8.32 * y2 + 1.71 * y3 - 1.12 * y4,
-            -1.745 * y5 + 0.43 * y6 + 0.43 * y7,
-            -280.0 * y6 * y8 + 0.69 * y4 + 1.71 * y5 - 0.43 * y6 + 0.69 * y7,
-            280.0 * y6 * y8 - 1.81 * y7,
-            -280.0 * y6 * y8 + 1.81 * y7,
-        ]
-    )
-
-
-# name: (vector field, args, t1, y0, rtol, atol, y(t1) by Radau at rtol 1e-12)
-PROBLEMS = {
-    "robertson": (
-        robertson,
-        (0.04, 3e7, 1e4),
-        1e5,
-        [1.0, 0.0, 0.0],
-        1e-6,
-        1e-10,
-        [1.7865921142277624e-02, 7.2747514685101908e-08, 9.8213400611020429e-01],
-    ),
-    "van_der_pol": (
-        van_der_pol,
-        (1e-6,),
-        2.0,
-        [2.0, 0.0],
-        1e-6,
-        1e-8,
-        [1.7061677321704154, -0.8928097010248699],
-    ),
-    "hires": (
-        hires,
-        (),
-        321.8122,
-        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0057],
-        1e-6,
-        1e-10,
-        # The IVP test set's reference (Hairer & Wanner) agrees to 10 digits.
-        [
-            7.3713125733253205e-04,
-            1.4424857263161162e-04,
-            5.8887297409669355e-05,
-            1.1756513432830840e-03,
-            2.3863561988303125e-03,
-            6.2389682527396522e-03,
-            2.8499983951850326e-03,
-            2.8500016048149694e-03,
-        ],
-    ),
-}
-
-
 def solve(problem, solver, rtol=None, atol=None):
     """(relative error at t1, LUs executed, accepted steps, solution)."""
-    vf, args, t1, y0, rtol_, atol_, ref = PROBLEMS[problem]
+    vf, args, t1, y0, rtol_, atol_, ref = CLASSICS[problem]
     rtol, atol = rtol or rtol_, atol or atol_
     COUNTS.clear()
     sol = diffrax.diffeqsolve(
@@ -173,8 +74,7 @@ def solve(problem, solver, rtol=None, atol=None):
         max_steps=100_000,
     )
     jax.effects_barrier()  # every counter callback has run
-    ref = np.asarray(ref)
-    err = float(np.max(np.abs(np.asarray(sol.ys[-1]) - ref) / (np.abs(ref) + atol / rtol)))
+    err = relative_error(sol.ys[-1], ref, rtol, atol)
     return err, COUNTS["lu"], int(sol.stats["num_accepted_steps"]), sol
 
 
