@@ -35,6 +35,7 @@ SCENARIOS = {
     "s8": "s8_grad_scan",
     "s9": "s9_diffrax",
     "s10": "s10_finetune",
+    "s11": "s11_neural_ode",
 }
 HERE = Path(__file__).resolve().parent
 

@@ -179,6 +179,17 @@ def headline(results: dict) -> list[dict]:
                 add(s10, f"median step / hand-hoisted, {v}", r, "<= 1.3")
         for array, r in m["fingerprint_over_float_sum"].items():
             add(s10, f"fingerprint / float sum, {array}", r, ">= 0.25")
+    if results.get("s11"):
+        for label, m in results["s11"]["metrics"].items():
+            s11 = f"11 neural ODE, {label}"
+            e = m["expm_per_solve"]
+            add(
+                s11,
+                "expm per solve: naive / hand-hoisted / memox.call / memox.jit",
+                " / ".join(str(e[v]) for v in e),
+            )
+            for v, r in m["step_over_hand"].items():
+                add(s11, f"step / hand-hoisted, {v}", r, "" if v == "naive" else "<= 1.1")
     return rows
 
 
@@ -371,6 +382,16 @@ def _wall_panels(sc: dict) -> list[tuple[str, str, dict]]:
                 },
             )
         )
+    if sc.get("s11"):
+        for label in sc["s11"]["metrics"]:
+            rows = [r for r in sc["s11"]["rows"] if r["size"] == label]
+            panels.append(
+                (
+                    f"s11 neural-ODE training step, {label}",
+                    "ms",
+                    {r["variant"]: r["median step [ms]"] for r in rows},
+                )
+            )
     return panels
 
 
