@@ -60,7 +60,7 @@ try:
         COUNTS,
         FixedVeryChord,
         brusselator,
-        kvaerno5,
+        kvaerno,
         relative_error,
     )
 except ImportError as error:  # diffrax is an optional extra: `pip install "memox[diffrax]"`
@@ -90,12 +90,12 @@ def _tick(name: str) -> None:
 
 def solver(name: str, counting: bool):
     """The variant's solver; `counting`: with a linear solver that counts its LUs."""
-    kvaerno = kvaerno5(FixedVeryChord if name == FIXED else diffrax.VeryChord, counting)
+    kvaerno5 = kvaerno(5, FixedVeryChord if name == FIXED else diffrax.VeryChord, counting)
     if name == REUSE:
-        return memox.diffrax.ReuseJacobian(kvaerno)
+        return memox.diffrax.ReuseJacobian(kvaerno5)
     if name == ON_FAILURE:  # the fewest factorisations any refresh policy can reach
-        return memox.diffrax.ReuseJacobian(kvaerno, max_age=10**9, gamma_drift=1e9)
-    return kvaerno
+        return memox.diffrax.ReuseJacobian(kvaerno5, max_age=10**9, gamma_drift=1e9)
+    return kvaerno5
 
 
 # -- running -------------------------------------------------------------------------------

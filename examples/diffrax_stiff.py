@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.integrate
 import scipy.sparse
-from stiff_problems import COUNTS, FixedVeryChord, brusselator, kvaerno5, relative_error
+from stiff_problems import COUNTS, FixedVeryChord, brusselator, kvaerno, relative_error
 
 import memox.diffrax
 
@@ -62,9 +62,9 @@ def main() -> None:
     ).y[:, -1]
 
     variants = {
-        "diffrax Kvaerno5 (0.7.2)": kvaerno5(),
-        "Kvaerno5, chord test fixed": kvaerno5(FixedVeryChord),
-        "ReuseJacobian(Kvaerno5)": memox.diffrax.ReuseJacobian(kvaerno5()),
+        "diffrax Kvaerno5 (0.7.2)": kvaerno(),
+        "Kvaerno5, chord test fixed": kvaerno(5, FixedVeryChord),
+        "ReuseJacobian(Kvaerno5)": memox.diffrax.ReuseJacobian(kvaerno()),
     }
     print(f"2-D Brusselator, {2 * N * N} unknowns, t in [0, {T1}], rtol={RTOL:g}, atol={ATOL:g}\n")
     columns = ["accepted", "rejected", "LUs", "LUs/step", "error", "wall"]

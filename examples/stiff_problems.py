@@ -64,12 +64,13 @@ class FixedVeryChord(diffrax.VeryChord):
         return terminate | linsolve_failed, result
 
 
-def kvaerno5(chord=diffrax.VeryChord, counting: bool = True) -> diffrax.Kvaerno5:
-    """`diffrax.Kvaerno5` with root finder `chord` (tolerances from the step-size
-    controller, as diffrax's default), counting its factorisations if `counting`."""
+def kvaerno(order: int = 5, chord=diffrax.VeryChord, counting: bool = True):
+    """`diffrax.Kvaerno{order}` (3, 4 or 5) with root finder `chord` (tolerances from the
+    step-size controller, as diffrax's default), counting its factorisations if
+    `counting`."""
     tols = diffrax.with_stepsize_controller_tols(chord)
     root_finder = tols(linear_solver=CountingLU()) if counting else tols()
-    return diffrax.Kvaerno5(root_finder=root_finder)
+    return getattr(diffrax, f"Kvaerno{order}")(root_finder=root_finder)
 
 
 def robertson(t, y, args):

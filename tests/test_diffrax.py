@@ -28,7 +28,7 @@ from examples.stiff_problems import (  # noqa: E402
     COUNTS,
     CountingLU,
     FixedVeryChord,
-    kvaerno5,
+    kvaerno,
     relative_error,
     robertson,
 )
@@ -119,8 +119,8 @@ def test_robertson_implicit_euler():
 
 
 def test_robertson_kvaerno5():
-    err_plain, lus_plain, acc_plain, _ = solve("robertson", kvaerno5())
-    err, lus, acc, sol = solve("robertson", ReuseJacobian(kvaerno5()))
+    err_plain, lus_plain, acc_plain, _ = solve("robertson", kvaerno())
+    err, lus, acc, sol = solve("robertson", ReuseJacobian(kvaerno()))
     check_state(sol, lus)
     # Unwrapped, Kvaerno5 factorises twice per step attempt (the Newton matrix, and the
     # identity of its explicit first stage), and diffrax 0.7.2's chord iteration gives
@@ -211,13 +211,26 @@ def test_docstring_example_runs():
 )
 def test_kvaerno5_classics_against_fixed_chord(problem, max_lus_per_step):
     # The unwrapped baseline with the same Newton convergence test as the wrapper's.
-    err_fixed, lus_fixed, acc_fixed, _ = solve(problem, kvaerno5(FixedVeryChord))
-    err, lus, acc, sol = solve(problem, ReuseJacobian(kvaerno5()))
+    err_fixed, lus_fixed, acc_fixed, _ = solve(problem, kvaerno(5, FixedVeryChord))
+    err, lus, acc, sol = solve(problem, ReuseJacobian(kvaerno()))
     check_state(sol, lus)
     assert lus_fixed / acc_fixed >= 2
     assert lus / acc <= max_lus_per_step  # measured: 0.73, 0.54, 0.51
     assert lus <= 0.4 * lus_fixed
     assert err <= 3 * err_fixed  # measured: 1.0x, 2.2x, 0.35x
+
+
+@pytest.mark.parametrize("order", [3, 4])
+def test_kvaerno3_and_4_against_fixed_chord(order):
+    # The other ESDIRK methods `ReuseJacobian` supports (one nonzero diagonal coefficient,
+    # an explicit first stage), on HIRES: accurate as the unwrapped method with the same
+    # Newton convergence test, with a fraction of its factorisations.
+    err_fixed, lus_fixed, acc_fixed, _ = solve("hires", kvaerno(order, FixedVeryChord))
+    err, lus, acc, sol = solve("hires", ReuseJacobian(kvaerno(order)))
+    check_state(sol, lus)
+    assert lus_fixed / acc_fixed >= 2  # the Newton matrix and the explicit stage's identity
+    assert lus <= 0.4 * lus_fixed
+    assert err <= 3 * err_fixed
 
 
 @pytest.mark.heavy
