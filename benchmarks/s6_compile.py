@@ -58,8 +58,9 @@ def run(results: dict) -> dict | None:
         "notes": [
             "Every timed loop traced its step exactly once (asserted in each scenario).",
             *(
-                f"{k}: calls 1-4 took {', '.join(f'{1e3 * t:.1f}' for t in v)} ms (call 3 "
-                "compiles the outside fingerprint of each new dependency shape)."
+                f"{k}: calls 1-4 took {', '.join(f'{1e3 * t:.1f}' for t in v)} ms (call 1 "
+                "traces and compiles the step; call 2, the first to fingerprint the unchanged "
+                "inputs outside, compiles that fingerprint once per dependency shape)."
                 for k, v in early.items()
             ),
         ],
