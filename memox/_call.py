@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _context, _errors
+from . import _context, _errors, _jax_internals
 from ._cached import CachedMethod, MethodArg, method_for
 from ._fingerprint import is_concrete_array
 from ._plan import plan_without_arguments
@@ -117,11 +117,36 @@ def run(
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
     (slots revived and allocated) and the frame. With `discover`, cached methods only
     allocate their slots (for `memox.init`)."""
+    if not discover:
+        warn_if_closed_over(module)
     module = allocate_plain_slots(revive(module))
     frame = _context.Frame(module, discover=discover)
     with _context.active(frame):
         result = fn(module, *args, **kwargs)
     return result, module, frame
+
+
+def warn_if_closed_over(module: Any) -> None:
+    """Warn if what this call stores cannot reach the caller: `module`'s slots come from
+    outside the loop body being traced (judged by the allocated slots' arrays, or by all
+    of the module's arrays if none is allocated), or the module has slots still to
+    allocate and comes from outside the function being traced (`jax.jit`, a library
+    tracing a vector field), which then does not take it as an argument."""
+    sites = list(slot_sites(module))
+    if not sites:
+        return
+    allocated = [site.slot for site in sites if site.slot.allocated]
+    arrays = [x for x in jtu.tree_leaves(module) if isinstance(x, jax.Array)]
+    loop = _jax_internals.loop_closing_over(
+        [x for x in jtu.tree_leaves(allocated) if isinstance(x, jax.Array)] or arrays
+    )
+    if loop is not None:
+        message = _errors.LOOP_CLOSES_OVER.format(loop=loop)
+    elif len(allocated) < len(sites) and _jax_internals.trace_closing_over(arrays):
+        message = _errors.TRACE_CLOSES_OVER
+    else:
+        return
+    warnings.warn(message, _errors.UncachedWarning, stacklevel=4)
 
 
 def changed_slots(module: Any, frame: _context.Frame) -> dict[Path, Memo]:

@@ -110,6 +110,27 @@ UNREACHED_SLOT = (
     "or call `memox.call` inside it on the module it receives."
 )
 
+LOOP_CLOSES_OVER = (
+    "`memox.call` runs inside a `{loop}` body on a module that the loop closes over (its "
+    "slots are not part of the loop's carry), so nothing it stores outlives the "
+    "iteration: with an empty slot each cached method computes at every step, and a "
+    "value filled before the loop is checked (its dependencies hashed) at every step. "
+    "Pass `memox.hoist(module)` into the loop from a `memox.call` around it (the values "
+    "are read once, before the loop: the way for a loop a library owns, such as a "
+    "diffrax vector field or an optimistix solve), or, in your own loop, make the module "
+    "part of the carry (`memox.init` it first) or use `memox.scan`."
+)
+
+TRACE_CLOSES_OVER = (
+    "`memox.call` runs inside a function being traced (`jax.jit`, `eqx.filter_jit`, a "
+    "library tracing a vector field, as diffrax does) that closes over a module whose "
+    "slots are not allocated yet, so what it stores reaches the caller only if that "
+    "function returns the new module; a vector field does not, and then each cached "
+    "method computes at every evaluation. Pass `memox.hoist(module)` in place of the "
+    "module from a `memox.call` around the solve (its values are read once, before), "
+    "or take the module as an argument (`memox.init` it first) and return the new one."
+)
+
 HOISTED_WITH_ARGUMENTS = (
     "`{method}` was read ahead by `memox.hoist`, which holds one value per method, but "
     "is called with arguments here. Hoist only methods without arguments "

@@ -51,14 +51,40 @@ def visible_at(value: Any, trace: Any) -> bool:
     return any(t is owner for t in _lineage(trace))
 
 
-def inside_loop_body() -> str | None:
-    """The name of the innermost loop whose body is being traced, if any."""
+def _loop_body() -> tuple[Any, str | None]:
+    """The trace of the innermost loop body being traced and the loop's name, if any."""
     for trace in _lineage(current()):
         frame = getattr(trace, "frame", None)
         traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
         if traced_for in _LOOP_BODIES:
-            return traced_for
+            return trace, traced_for
+    return None, None
+
+
+def inside_loop_body() -> str | None:
+    """The name of the innermost loop whose body is being traced, if any."""
+    return _loop_body()[1]
+
+
+def loop_closing_over(values: list[Any]) -> str | None:
+    """The name of the innermost loop whose body is being traced, if every one of
+    `values` comes from outside that body (the body closes over them), else `None`."""
+    trace, name = _loop_body()
+    outside = getattr(trace, "parent_trace", None)
+    if name is not None and values and all(visible_at(v, outside) for v in values):
+        return name
     return None
+
+
+def trace_closing_over(values: list[Any]) -> bool:
+    """Whether a function is being traced to a jaxpr (`jax.jit`, `jax.make_jaxpr`, a
+    loop body, a branch, ...) and every one of `values` comes from outside the innermost
+    such trace (it closes over them)."""
+    for trace in _lineage(current()):
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            outside = getattr(trace, "parent_trace", None)
+            return bool(values) and all(visible_at(v, outside) for v in values)
+    return False
 
 
 def used_inputs(closed: jax.extend.core.ClosedJaxpr) -> list[bool]:

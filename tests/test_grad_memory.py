@@ -56,13 +56,15 @@ _loss_memox_scan = _loss_through(memox.scan)
 
 
 def _loss_closed_over(theta, m, xs):
-    """The module, filled beforehand, is closed over by the body (every step a hit)."""
+    """The module, filled beforehand, is closed over by the body (every step a hit, and
+    a check: memox warns and points to `memox.hoist`, which these tests compare apart)."""
 
     def body(h, x):
         L, _ = memox.call(m, Model.chol)
         return _step(L, theta, h, x), None
 
-    h, _ = lax.scan(body, jnp.zeros(N), xs)
+    with pytest.warns(memox.UncachedWarning, match="on a module that the loop closes over"):
+        h, _ = lax.scan(body, jnp.zeros(N), xs)
     return jnp.sum(h**2)
 
 

@@ -218,3 +218,26 @@ def test_diffrax_adjoints_differentiate_a_hoisted_value_exactly(adjoint):
     assert counter.n == 1
     assert memox.stats(model)["cache"] == memox.SlotStats(hits=0, misses=1)
     np.testing.assert_allclose(got.w, want.w, rtol=1e-5, atol=1e-7)
+
+
+def test_memox_call_inside_a_vector_field_on_a_fresh_module_warns():
+    # diffrax traces the vector field with the module closed over; a `memox.call(self,
+    # ...)` there stores into a module nobody returns: each evaluation computes. With its
+    # slots not yet allocated memox can tell at trace time, and says so.
+    diffrax = pytest.importorskip("diffrax")
+
+    class CallingField(Field):
+        def __call__(self, t, y, args):
+            weight, _ = memox.call(self, Field.weight)
+            return -(weight @ y) * 0.5
+
+    counter = Counter()
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.float32) * 0.3
+    field = CallingField(w, counter)  # slots not allocated
+    with (
+        jax.check_tracer_leaks(False),  # diffrax 0.7.2 trips it (see above)
+        pytest.warns(memox.UncachedWarning, match=r"closes over a module whose slots are not"),
+    ):
+        diffrax.diffeqsolve(diffrax.ODETerm(field), diffrax.Tsit5(), 0.0, 1.0, 0.1, Y0)
+        jax.effects_barrier()
+    assert counter.n > 10  # at every evaluation

@@ -80,6 +80,36 @@ def test_not_inside_a_loop_in_jit_or_eagerly():
     assert seen == [None, None]
 
 
+def test_loop_closing_over_tells_closed_over_values_from_the_carry():
+    seen = {}
+    concrete = jnp.ones(2)
+
+    @jax.jit
+    def f(outer):
+        def body(carry, x):
+            seen["closed over (traced)"] = internals.loop_closing_over([outer])
+            seen["closed over (concrete)"] = internals.loop_closing_over([concrete])
+            seen["made in the body"] = internals.loop_closing_over([jnp.ones(2)])
+            seen["carry"] = internals.loop_closing_over([carry])
+            seen["carry and closed over"] = internals.loop_closing_over([carry, outer])
+            seen["nothing"] = internals.loop_closing_over([])
+            return carry, None
+
+        return jax.lax.scan(body, outer, jnp.ones(2))[0]
+
+    f(jnp.ones(2))
+    seen["outside a loop"] = internals.loop_closing_over([jnp.ones(2)])
+    assert seen == {
+        "closed over (traced)": "scan",
+        "closed over (concrete)": "scan",
+        "made in the body": None,
+        "carry": None,
+        "carry and closed over": None,
+        "nothing": None,
+        "outside a loop": None,
+    }
+
+
 def test_used_inputs_by_dead_code_elimination():
     closed = jax.make_jaxpr(lambda a, b, c: a * 2.0 + jnp.zeros(b.shape[0] - 1, c.dtype))(
         jnp.ones(2), jnp.ones(3), jnp.ones(4)

@@ -1,6 +1,7 @@
 """`lax.scan` (and other loops) with the module as the carry."""
 
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -86,9 +87,9 @@ def test_fori_loop_and_while_loop():
     assert c.n == 1 and memox.stats(f)["b_cache"].hits == 6
 
 
-def test_module_closed_over_in_scan_recomputes_per_call_site_but_is_correct():
+def test_module_closed_over_in_scan_recomputes_every_step_and_memox_warns():
     # A module that is not the carry cannot carry a fill from one step to the next:
-    # each step's call sees the same (empty) slot. Values stay exact.
+    # each step's call sees the same (empty) slot, so memox says so. Values stay exact.
     c = Counter()
     f = memox.init(foo(c))
 
@@ -96,5 +97,37 @@ def test_module_closed_over_in_scan_recomputes_per_call_site_but_is_correct():
         b, _ = memox.call(f, Foo.b)
         return carry + b * x, None
 
-    out, _ = jax.lax.scan(body, jnp.float32(0), jnp.ones(3))
+    with pytest.warns(memox.UncachedWarning, match=r"inside a `scan` body on a module that"):
+        out, _ = jax.lax.scan(body, jnp.float32(0), jnp.ones(3))
+    jax.effects_barrier()
+    assert out == 3 * jnp.sum(f.a)
+    assert c.n == 3  # every step
+
+    def carried(f, x):  # the fix for your own loop: the module is the carry
+        b, f = memox.call(f, Foo.b)
+        return f, b * x
+
+    c.n = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memox.UncachedWarning)
+        f, ys = jax.lax.scan(carried, f, jnp.ones(3))
+    jax.effects_barrier()
+    assert c.n == 1
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
+def test_module_closed_over_in_other_loops_warns(loop):
+    f = memox.init(foo(Counter()))
+
+    def body(i, acc):
+        return acc + memox.call(f, Foo.b)[0]
+
+    run = {
+        "fori_loop": lambda: jax.lax.fori_loop(0, 3, body, jnp.float32(0)),
+        "while_loop": lambda: jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, body(c[0], c[1])), (0, jnp.float32(0))
+        )[1],
+    }[loop]
+    with pytest.warns(memox.UncachedWarning, match=r"on a module that the loop closes over"):
+        out = run()
     assert out == 3 * jnp.sum(f.a)
