@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.extend
 import numpy as np
-from jax._src import core as _core
+from jax._src import config as _config, core as _core
 from jax._src.interpreters import partial_eval as _pe
 
 
@@ -85,6 +85,37 @@ def trace_closing_over(values: list[Any]) -> bool:
             outside = getattr(trace, "parent_trace", None)
             return bool(values) and all(visible_at(v, outside) for v in values)
     return False
+
+
+def trace_context() -> tuple[Any, ...]:
+    """What `jax.jit` keys its traces on besides the arguments: the value of every JAX
+    configuration option declared `include_in_trace_context` (`jax._src.config`: x64,
+    the PRNG flags, default matmul precision, dtype promotion, the mesh and device
+    contexts, ...; which options, JAX decides, per version), in JAX's own order.
+
+    Objects JAX compares by identity or that hold no plain value are given as their
+    contents: the axis environment (the named axes in scope and their sizes) and the
+    abstract mesh (axis names, sizes and types, device kind)."""
+    return tuple(map(_plain_context, _config.trace_context()))
+
+
+def _plain_context(value: Any) -> Any:
+    if isinstance(value, _core.AxisEnv):
+        return (
+            "axis_env",
+            tuple(sorted((str(k), int(v)) for k, v in value.axis_sizes.items())),
+            tuple(sorted(map(str, value.spmd_axis_names))),
+            tuple(sorted(map(str, value.explicit_mesh_axis_names))),
+        )
+    if isinstance(value, jax.sharding.AbstractMesh):
+        return (
+            "mesh",
+            tuple(map(str, value.axis_names)),
+            tuple(value.axis_sizes),
+            tuple(map(str, value.axis_types)),
+            getattr(value, "abstract_device", None),
+        )
+    return value
 
 
 def used_inputs(closed: jax.extend.core.ClosedJaxpr) -> list[bool]:

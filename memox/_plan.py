@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors, _jax_internals
-from ._key import StaticKey, explicit_sharding, signature, static_key
+from ._jax_internals import trace_context
+from ._key import StaticKey, explicit_sharding, node_token, signature, static_key, token
 from ._policy import Policy
 from ._slot import Memo, Path, allocate, is_memo, path_name
 from ._storage import Spec, packed_size
@@ -36,40 +37,45 @@ class Parts:
     """The skeleton of a module or argument pytree: its structure and its non-array
     leaves. It holds no array (arrays may be tracers, and a skeleton outlives the trace
     in the closures of the memoised operation): `split` hands the arrays out separately.
-    """
+    `tokens` are the exact tokens (`_key.py`) of its nodes' data and of its non-array
+    leaves, made in the same walk."""
 
     treedef: Any
     statics: tuple[Any, ...]  # the leaf itself where static, else None
-    kinds: tuple[str, ...]  # "array", "memo" or "static", per leaf
+    kinds: str  # "a" (array), "m" (memo) or "s" (static), per leaf
+    tokens: tuple[Any, ...]
 
     @classmethod
     def split(cls, tree: Any) -> tuple[Parts, list[Any]]:
-        leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_memo)
-        kinds = tuple(
-            "memo" if is_memo(x) else "array" if eqx.is_array(x) else "static" for x in leaves
-        )
-        statics = tuple(x if k == "static" else None for x, k in zip(leaves, kinds))
-        arrays = [x for x, k in zip(leaves, kinds) if k == "array"]
-        return cls(treedef, statics, kinds), arrays
+        node_tokens: list[Any] = []
+
+        def visit(x: Any) -> bool:
+            if is_memo(x):
+                return True
+            found = node_token(x)
+            if found is not None:
+                node_tokens.append(found)
+            return False
+
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=visit)
+        kinds = "".join("m" if is_memo(x) else "a" if eqx.is_array(x) else "s" for x in leaves)
+        statics = tuple(x if k == "s" else None for x, k in zip(leaves, kinds))
+        arrays = [x for x, k in zip(leaves, kinds) if k == "a"]
+        static_tokens = tuple(token(x) for x, k in zip(leaves, kinds) if k == "s")
+        return cls(treedef, statics, kinds, (tuple(node_tokens), static_tokens)), arrays
 
     def rebuild(self, arrays: Sequence[Any], slots: Sequence[Any] | None = None) -> Any:
         """The tree with these arrays, and these slots (default: empty ones)."""
         arrays_, slots_ = iter(arrays), iter(slots or ())
         out = []
         for leaf, kind in zip(self.statics, self.kinds):
-            if kind == "array":
+            if kind == "a":
                 out.append(next(arrays_))
-            elif kind == "memo":
+            elif kind == "m":
                 out.append(next(slots_) if slots is not None else Memo())
             else:
                 out.append(leaf)
         return jtu.tree_unflatten(self.treedef, out)
-
-    def key_parts(self) -> tuple[Any, ...]:
-        """What the static key takes from this skeleton: structure, leaf kinds, and the
-        non-array leaves (by equality)."""
-        statics = tuple(x for x, k in zip(self.statics, self.kinds) if k == "static")
-        return self.treedef, "".join(k[0] for k in self.kinds), statics
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -154,26 +160,32 @@ _KEYS: dict[tuple[Any, ...], StaticKey] = {}
 def _static_key(
     method: CachedMethod, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
 ) -> StaticKey:
-    """The static key of a call (`_key.py`), remembered per the same parts compared by
-    Python equality (the treedefs as `jax.jit` compares them, each non-array leaf with its
-    type, the arrays' avals), so that a repeated call does not encode it again."""
-    policy = method.policy
-    parts = (module.key_parts(), args.key_parts())
+    """The static key of a call (`_key.py`), remembered per the same parts: the method by
+    identity, the tree structures by `PyTreeDef.__eq__` together with the exact tokens
+    of their nodes' data and non-array leaves, the arrays' abstract values, and the
+    trace context's token. As exact as the key: a repeated call does not encode again."""
+    context = token(trace_context())
+    policy = token(method.policy)
     avals = tuple(map(_aval, arrays)), tuple(map(_aval, arg_arrays))
-    fast = (method, policy, *((p[0], p[1], tuple((type(x), x) for x in p[2])) for p in parts))
-    fast = (*fast, avals)
+    fast = (method, policy, context, avals, module.treedef, module.kinds, module.tokens)
+    fast = (*fast, args.treedef, args.kinds, args.tokens)
     try:
         found = _KEYS.get(fast)
-    except Exception:  # a part Python cannot hash or compare (e.g. a NumPy array)
+    except TypeError:  # a tree structure whose nodes' data Python cannot hash
         fast, found = None, None
     if found is None:
         found = static_key(
-            method,
-            (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy))),
-            parts[0],
-            tuple(map(signature, arrays)),
-            parts[1],
-            tuple(map(signature, arg_arrays)),
+            token(method),
+            policy,
+            context,
+            token(module.treedef),
+            module.kinds,
+            module.tokens[1],
+            token(tuple(map(signature, arrays))),
+            token(args.treedef),
+            args.kinds,
+            args.tokens[1],
+            token(tuple(map(signature, arg_arrays))),
         )
         if fast is not None:
             if len(_KEYS) >= _MAX_PLANS:

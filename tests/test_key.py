@@ -1,0 +1,248 @@
+"""The static key (memox/_key.py): what `jax.jit` keys on, plus exact tokens of every
+non-array part. One test per class of input that once returned another input's value
+(issue 18, items 1 and 2); each compares with the unmemoized method, in every
+placement, and counts real executions."""
+
+import dataclasses
+import operator
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Counter
+
+import memox
+from memox import Memo, _key
+
+
+PLACEMENTS = ["eager", "memox.jit", "jax.jit"]
+
+
+def _call(placement, module, method):
+    """`memox.call(module, method)` in one of the placements (compiled afresh: a
+    configuration change must reach memox's key, not just jax.jit's)."""
+    if placement == "eager":
+        return memox.call(module, method)
+    if placement == "memox.jit":
+        return memox.jit(method)(module)
+    return jax.jit(lambda m: memox.call(m, method))(memox.init(module))
+
+
+def _same(value, expected):
+    """Equal bits and equal types (dtype, weak type, shape)."""
+    for x, y in zip(jax.tree.leaves(value), jax.tree.leaves(expected)):
+        assert jax.typeof(x) == jax.typeof(y), (jax.typeof(x), jax.typeof(y))
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# -- 1. the trace context: JAX's configuration, as jax.jit keys on it -------------------
+
+
+class Ramp(eqx.Module):
+    a: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def ramp(self):
+        self.counter.tick()
+        return jnp.arange(3.0) + self.a.astype(float)  # float64 under x64
+
+
+class Draws(eqx.Module):
+    key: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def draw(self):
+        self.counter.tick()
+        return jax.random.uniform(self.key, (4, 8))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_enabling_x64_between_calls_recomputes_with_the_new_types(placement):
+    # Regression: an eager hit returned float32 where the method gave float64, and
+    # memox.jit crashed in dynamic_update_slice.
+    counter = Counter()
+    module = Ramp(jnp.zeros((), jnp.int32), counter)
+    _, module = _call(placement, module, Ramp.ramp)
+    with jax.enable_x64(True):
+        value, module = _call(placement, module, Ramp.ramp)
+        _same(value, jnp.arange(3.0) + module.a.astype(float))
+        assert value.dtype == jnp.float64
+    value, module = _call(placement, module, Ramp.ramp)
+    _same(value, jnp.arange(3.0) + module.a.astype(float))
+    assert counter.n == 3
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize(
+    "flag, other", [("jax_threefry_partitionable", None), ("jax_random_seed_offset", 7)]
+)
+def test_prng_flags_are_part_of_the_key(placement, flag, other):
+    # Regression: draws from a key the module holds came back stale after a PRNG flag
+    # changed.
+    before = getattr(jax.config, flag)
+    other = (not before) if other is None else other
+    counter = Counter()
+    module = Draws(jax.random.key(3), counter)
+    _, module = _call(placement, module, Draws.draw)
+    try:
+        jax.config.update(flag, other)
+        expected = Draws.draw.fn(module)
+        value, module = _call(placement, module, Draws.draw)
+        _same(value, expected)
+    finally:
+        jax.config.update(flag, before)
+    value, module = _call(placement, module, Draws.draw)
+    _same(value, Draws.draw.fn(module))
+
+
+def test_the_trace_context_is_what_jax_keys_on():
+    # memox reads JAX's own list of options (no list of its own): every option JAX
+    # declares part of the trace context changes the key when it changes.
+    from jax._src import config
+
+    context = memox._jax_internals.trace_context()
+    assert len(context) == len(config.trace_context())
+    with jax.enable_x64(not jax.config.read("jax_enable_x64")):
+        assert _key.token(memox._jax_internals.trace_context()) != _key.token(context)
+    with jax.default_matmul_precision("highest"):
+        assert _key.token(memox._jax_internals.trace_context()) != _key.token(context)
+    # Canonical: no part numbered by this process (a restored slot still hits).
+    assert not _key.static_key(_key.token(context)).local
+
+
+# -- 2. non-array parts: exact tokens --------------------------------------------------
+
+
+class Applied(eqx.Module):
+    x: jax.Array
+    how: object = eqx.field(static=True)
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        self.counter.tick()
+        how = self.how
+        if isinstance(how, Cfg):
+            return jnp.broadcast_to(jnp.asarray(how.flag), self.x.shape)
+        if isinstance(how, np.random.Generator):
+            seed = how.bit_generator.state["state"]["state"] % 1000  # (not advanced)
+            return self.x + jnp.float32(seed)
+        if isinstance(how, jax.Device):
+            return jax.device_put(self.x, how)
+        if isinstance(how, tuple):
+            return jnp.broadcast_to(jnp.asarray(how[0]), self.x.shape)
+        if isinstance(how, float):
+            return self.x * 0 + 1.0 / jnp.float32(how)
+        return how(self.x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    flag: object
+
+
+def _nan(payload):
+    return float(np.array(0x7FF8000000000000 | payload, np.uint64).view(np.float64))
+
+
+CASES = [
+    (operator.itemgetter(0), operator.itemgetter(1)),
+    (operator.attrgetter("real"), operator.attrgetter("imag")),
+    (operator.methodcaller("sum"), operator.methodcaller("prod")),
+    (np.random.default_rng(0), np.random.default_rng(1)),
+    ((1,), (True,)),
+    (Cfg(1), Cfg(True)),
+    (0.0, -0.0),
+]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("first, second", CASES)
+def test_distinct_static_parts_never_share_a_value(placement, first, second):
+    # Regression: C callables and Generators were guessed "stateless"; the fast path
+    # compared by `==` (`0.0 == -0.0`, `(1,) == (True,)`, `Cfg(1) == Cfg(True)`).
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), first, counter)
+    _, module = _call(placement, module, Applied.out)
+    other = Applied(module.x, second, counter, cache=module.cache)
+    with counter.paused():
+        expected = Applied.out.fn(other)
+    value, other = _call(placement, other, Applied.out)
+    _same(value, expected)
+    assert counter.n == 2
+
+
+def test_nan_payloads_are_distinct():
+    assert _key.token(_nan(1)) != _key.token(_nan(2))
+    assert _key.token(_nan(1)) == _key.token(_nan(1))
+
+
+def test_two_devices_get_two_keys():
+    # (A second CPU device needs XLA_FLAGS before JAX starts: compared by identity.)
+    device = jax.devices()[0]
+    assert _key.token(device) == _key.token(device)
+    assert _key.token(np.random.default_rng(0)) != _key.token(np.random.default_rng(0))
+
+
+def test_equal_parts_of_distinct_objects_hit():
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), Cfg(2), counter)
+    _, module = memox.call(module, Applied.out)
+    again = Applied(module.x, Cfg(2), counter, cache=module.cache)
+    _, again = memox.call(again, Applied.out)
+    assert counter.n == 1
+
+
+def test_the_fast_path_is_as_exact_as_the_key():
+    # The per-call lookup compares tree structures by `==`; the tokens of their nodes'
+    # data make it exact: equal fast keys, equal static keys.
+    one = jax.tree.structure(Applied(jnp.zeros(1), (1,), None))
+    true = jax.tree.structure(Applied(jnp.zeros(1), (True,), None))
+    assert one == true  # JAX's own comparison cannot tell them apart
+    assert _key.token(one) != _key.token(true)
+    assert _key.node_token(Applied(jnp.zeros(1), (1,), None)) != _key.node_token(
+        Applied(jnp.zeros(1), (True,), None)
+    )
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        (1, "a", None, True, 2.5, b"x"),
+        {"b": 1, "a": (2, 3)},
+        frozenset({"x", "y", "z"}),
+        Cfg((1, 2.0)),
+        np.arange(3),
+        jax.numpy.sum,
+    ],
+)
+def test_canonical_parts_have_the_same_bytes_in_every_process(part):
+    import subprocess
+    import sys
+
+    script = (
+        "import pickle, sys, jax, jax.numpy as jnp, numpy as np; from memox import _key; "
+        "sys.path.insert(0, 'tests'); import test_key; "
+        "part = pickle.loads(bytes.fromhex(sys.argv[1])); "
+        "k = _key.static_key(_key.token(part)); print(k.local, k.encoded.hex())"
+    )
+    import pickle
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, pickle.dumps(part).hex()],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123", "JAX_PLATFORMS": "cpu"},
+    ).stdout.split()
+    here = _key.static_key(_key.token(part))
+    assert out == ["False", here.encoded.hex()] and not here.local
