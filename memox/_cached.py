@@ -15,15 +15,15 @@ import inspect
 import sys
 import types
 import typing
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 import equinox as eqx
 
-from . import _context, _errors
+from . import _context, _errors, _ledger
+from ._key import token
 from ._memo import memoised
-from ._plan import Call
+from ._plan import Call, Method, latest
 from ._policy import Exact, Policy
 from ._slot import Hoisted, Memo, annotations_of, is_memo_annotation
 from ._typing import P, R
@@ -53,8 +53,8 @@ class CachedMethod(Generic[Owner, P, R]):
         self.fn = fn
         self.slot = slot
         self.policy = policy
-        self.latest_plan: Plan | None = None  # for `memox.stats` of methods with arguments
         self.qualname: str = getattr(fn, "__qualname__", repr(fn))
+        self._spec: Method | None = None
         # A definition error that Python 3.11 would hide (see `__set_name__`).
         self.error: Exception | None = None
         params = list(inspect.signature(fn).parameters.values())[1:]
@@ -63,6 +63,19 @@ class CachedMethod(Generic[Owner, P, R]):
             p.default is p.empty and (p.kind in required or p.kind == p.KEYWORD_ONLY)
             for p in params
         )
+
+    @property
+    def spec(self) -> Method:
+        """What planning needs of this method (made at first use, once its class is
+        bound to its name, so that the key can name the method across processes)."""
+        if self._spec is None:
+            self._spec = Method(self.fn, self.slot, self.policy, self.qualname, token(self))
+        return self._spec
+
+    @property
+    def latest_plan(self) -> Plan | None:
+        """The plan of the last call (for `memox.stats` of a method with arguments)."""
+        return latest(self.spec)
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.qualname = f"{owner.__qualname__}.{name}"
@@ -93,29 +106,23 @@ class CachedMethod(Generic[Owner, P, R]):
         if isinstance(held, Hoisted):  # read ahead by `memox.hoist`
             if args or kwargs:
                 raise TypeError(_errors.HOISTED_WITH_ARGUMENTS.format(method=self.qualname))
-            return held.value
+            return held.read(self.spec, module)
         frame = _context.top()
         if isinstance(frame, _context.Plain):
             frame.nested = True
         elif frame is not None:
             path = frame.find(module, self.slot)
-            if path is None:
-                self._unreached(module)
-            else:
-                call = Call.prepare(self, frame, path, module, args, kwargs)
-                if frame.discover:  # `memox.init`: allocate the slot, then compute
-                    frame.write(path, call.slot, self.qualname)
+            if path is None:  # not this call's slot: computes, and the call says so
+                message = _errors.UNREACHED_SLOT.replace("{slot}", self.slot)
+                _ledger.record_uncached(self.qualname, message)
+                with _ledger.uncached_scope(self.qualname):
                     return self.fn(module, *args, **kwargs)
-                return memoised(call)
+            call = Call.prepare(self.spec, frame, path, module, args, kwargs)
+            if frame.discover:  # `memox.init`: allocate the slot, then compute
+                frame.write(path, call.slot, self.qualname)
+                return self.fn(module, *args, **kwargs)
+            return memoised(call)
         return self.fn(module, *args, **kwargs)
-
-    def _unreached(self, module: Any) -> None:
-        """Say that a call inside `memox.call` computes without its slot."""
-        warnings.warn(
-            _errors.UNREACHED_SLOT.format(method=self.qualname, slot=self.slot),
-            _errors.UncachedWarning,
-            stacklevel=3,
-        )
 
     def __repr__(self) -> str:
         return f"<memox.cached('{self.slot}') {self.qualname}>"

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _context, _errors, _jax_internals
+from . import _context, _errors, _jax_internals, _ledger
 from ._cached import CachedMethod, MethodArg, method_for
+from ._context import separated
 from ._fingerprint import is_concrete_array
 from ._plan import plan_without_arguments
 from ._slot import (
@@ -68,7 +69,7 @@ def allocate_plain_slots(module: M) -> M:
             continue
         method = method_for(site.owner, site.field)
         if method is not None and not method.takes_arguments:
-            found = plan_without_arguments(method, site.owner)
+            found = plan_without_arguments(method.spec, site.owner)
             new[site.path] = allocate(site.slot, found.spec, found.snapshot_bytes(method.policy))
     return replace_slots(module, new)
 
@@ -115,14 +116,17 @@ def run(
     discover: bool = False,
 ) -> tuple[R, M, _context.Frame]:
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
-    (slots revived and allocated) and the frame. With `discover`, cached methods only
-    allocate their slots (for `memox.init`)."""
+    (slots revived, allocated and separated) and the frame. The call's ledger is
+    settled when `fn` returns (`_ledger.py`): what did not reach the caller is reported.
+    With `discover`, cached methods only allocate their slots (for `memox.init`)."""
     if not discover:
         warn_if_closed_over(module)
-    module = allocate_plain_slots(revive(module))
-    frame = _context.Frame(module, discover=discover)
-    with _context.active(frame):
+    module, sites = separated(allocate_plain_slots(revive(module)))
+    frame = _context.Frame(module, discover=discover, sites=sites)
+    with _context.active(frame), _ledger.opened(frame.trace) as ledger:
         result = fn(module, *args, **kwargs)
+    if not discover:
+        ledger.settle(jtu.tree_leaves((result, list(frame.store.values()))))
     return result, module, frame
 
 
@@ -156,8 +160,11 @@ def changed_slots(module: Any, frame: _context.Frame) -> dict[Path, Memo]:
 
 
 def revive(module: M) -> M:
-    """`module` with every slot whose arrays were donated to a `memox.jit` call (the
-    caller kept the old module) replaced by an empty allocation: it recomputes."""
+    """`module` with every slot whose arrays were deleted replaced by an empty allocation:
+    it recomputes, and warns. Only a donation the caller asked for deletes a slot's arrays
+    (`donate=` of `eqx.filter_jit` or `memox.filter_jit`, `jax.jit`'s `donate_argnums`):
+    `memox.jit` donates a slot only where nothing else holds its arrays, and gives the
+    module passed in the slot it returns (`_jit.py`)."""
     new = {}
     for site in slot_sites(module):
         leaves = jtu.tree_leaves(site.slot)
@@ -166,7 +173,7 @@ def revive(module: M) -> M:
             new[site.path] = zeros
     if new:
         warnings.warn(
-            _errors.DONATED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=3
+            _errors.DELETED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=3
         )
     return replace_slots(module, new)
 
@@ -249,7 +256,7 @@ def clear(module: M) -> M:
         ```
     """
     check_module("clear", module)
-    return jtu.tree_map(lambda x: invalidated(x) if is_memo(x) else x, module, is_leaf=is_memo)
+    return invalidate(module)
 
 
 def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
@@ -281,12 +288,27 @@ def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
     for method in methods:
         if not isinstance(method, CachedMethod):
             raise TypeError(_errors.NOT_CACHED.format(api="invalidate", got=repr(method)))
-    new = {
-        site.path: invalidated(site.slot, when)
+    sites = [
+        site
         for site in slot_sites(module)
         if not methods or (site.field and method_for(site.owner, site.field) in methods)
-    }
-    return replace_slots(module, new)
+    ]
+    _invalidate_running(sites, when)
+    return replace_slots(module, {site.path: invalidated(site.slot, when) for site in sites})
+
+
+def _invalidate_running(sites: list[SlotSite], when: Any) -> None:
+    """Inside `fn`, invalidate the slots of the running call too: its frame holds their
+    current states, which a cached method reads whichever copy of the module it runs on
+    (an invalidation inside a transformation opened inside `fn` is refused there, as
+    any write of the frame is)."""
+    frame = _context.top()
+    if not isinstance(frame, _context.Frame):
+        return
+    for site in sites:
+        path = frame.find(site.owner, site.field) if site.field else None
+        if path is not None:
+            frame.write(path, invalidated(frame.store[path], when), "memox.invalidate")
 
 
 def hoist(module: M, /, *methods: MethodArg) -> M:
@@ -298,8 +320,16 @@ def hoist(module: M, /, *methods: MethodArg) -> M:
     the value of each cached method without arguments once, through the running call (a
     hit, or one computation that fills the slot), and returns the module with those
     values in place of their slots: inside the transformation the method returns its
-    value with no check and no branch, as if you had hoisted it by hand. Gradients are
-    exact: the values are differentiable functions of the module's arrays.
+    value with no check and no branch, as if you had hoisted it by hand.
+
+    Gradients are exact: each value is the method's value at the view's arrays, and is
+    differentiated as such. A gradient taken outside the call, or inside `fn` around
+    `hoist` itself, reaches the value where it was read (no recomputation, diffrax's
+    adjoints included). A gradient taken inside `fn` *with respect to the view* or its
+    arrays (`jax.grad`, `eqx.filter_grad`, `jax.jvp`, `jax.vjp` of a function of the
+    view) differentiates the method on the view where it is read, so it computes at each
+    such read, as the unmemoized code does (the view's value leaves get no gradient of
+    their own). To read once, call `hoist` inside the differentiated function.
 
     The returned module is a view for that one computation: use the module `memox.call`
     returns afterwards, not the view (its values do not follow changes made to it).
@@ -361,14 +391,20 @@ def strip(module: M) -> M:
 class SlotStats:
     """How one slot was used.
 
-    - `hits`: values returned from the slot; `misses`: values computed and stored.
+    - `hits`: values returned from the slot; `misses`: values computed and stored. Both
+      count memox's cache *decisions*, one per call of the method that reached the slot,
+      not executions of its computation: under `jax.grad` a miss is one decision, and XLA
+      may still hoist, share or remove the computation it stands for (count real
+      executions with `jax.debug.callback` if that is what you need). For a batched
+      module (slots with leading batch axes, e.g. from `eqx.filter_vmap(memox.init)`),
+      arrays of those batch axes: one count per element.
     - `flops`: floating-point operations of one computation of the method (counted from
       its jaxpr when `memox.stats` asks, nested cached methods included; see
       `memox.flops` for what is counted), or `None` where memox has not planned the
-      method yet.
+      method yet. For a batched module, those of one element's computation.
     - `flops_unknown`: primitives of the method that have no FLOP rule (counted as 0 in
       `flops`), with how many times each occurs; empty when `flops` is exact.
-    - `flops_saved`: `hits * flops`.
+    - `flops_saved`: `hits * flops` (per element for a batched module).
     """
 
     hits: int | jax.Array
@@ -387,7 +423,16 @@ def stats(module: Any) -> dict[str, SlotStats]:
     """Hit and miss counts, and FLOPs saved, of every slot of `module`.
 
     The counters live in the slots, so they count calls made inside `jax.jit`,
-    `memox.jit` and `lax.scan` as well as eager ones.
+    `memox.jit` and `lax.scan` as well as eager ones. They count the cache decisions
+    memox made (a hit: the stored value was returned; a miss: the method was computed
+    and stored), not executions: XLA may hoist, share or remove a computation, under
+    `jax.grad` for instance (see `SlotStats`).
+
+    A batched module, whose slots have leading batch axes (`eqx.filter_vmap(memox.init)`,
+    a `jax.vmap` of `memox.call`, any number of such axes), has a count per element, and
+    `flops` is the FLOPs of one element's computation: the method is planned on one
+    element of the module (its arrays without the batch axes, which are the axes a
+    slot's counters have beyond their own shape).
 
     **Arguments:**
 
@@ -403,6 +448,8 @@ def stats(module: Any) -> dict[str, SlotStats]:
 
         ```python
         memox.stats(foo)   # {'b_cache': SlotStats(hits=2, misses=1, flops=8)}
+        foos = eqx.filter_vmap(lambda a: memox.init(Foo(a)))(jnp.ones((5, 3, 3)))
+        memox.stats(foos)  # hits, misses: int32 arrays of shape (5,); flops=8, one Foo's
         ```
     """
     check_module("stats", module)
@@ -418,14 +465,29 @@ def stats(module: Any) -> dict[str, SlotStats]:
 
 
 def _flops(site: SlotSite) -> FlopCount | None:
+    """The FLOPs of one computation of the slot's method: for a batched module, planned
+    on one element of the owner (its arrays' leading batch axes dropped, abstractly)."""
     method = method_for(site.owner, site.field) if site.field else None
     if method is None:
         return None
-    if not method.takes_arguments:
-        return plan_without_arguments(method, site.owner).flops
-    return None if method.latest_plan is None else method.latest_plan.flops
+    if method.takes_arguments:  # planned when called (under `vmap`: on one element)
+        return None if method.latest_plan is None else method.latest_plan.flops
+    # The batch axes: those the counters have beyond their own shape (scalars).
+    batch = tuple(site.slot.hits.shape) if site.slot.allocated else ()
+    if not batch:
+        return plan_without_arguments(method.spec, site.owner).flops
+
+    def element(x: Any) -> Any:
+        if not eqx.is_array(x) or tuple(x.shape[: len(batch)]) != batch:
+            return x  # (an array without the batch axes is the same for every element)
+        weak = bool(getattr(jax.typeof(x), "weak_type", False))
+        return jax.ShapeDtypeStruct(x.shape[len(batch) :], x.dtype, weak_type=weak)
+
+    one = jtu.tree_map(element, site.owner)
+    # Planned in `eval_shape`, on the element's abstract arrays: nothing is computed.
+    return eqx.filter_eval_shape(lambda o: plan_without_arguments(method.spec, o).flops, one)
 
 
 def _concrete(x: Any) -> int | jax.Array:
-    # A batched module (e.g. from `jax.vmap(memox.init)`) has a count per element.
+    # A batched module (e.g. from `eqx.filter_vmap(memox.init)`) has a count per element.
     return x if isinstance(x, jax.core.Tracer) or jnp.ndim(x) else int(x)

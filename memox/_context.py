@@ -34,15 +34,40 @@ import jax.tree_util as jtu
 from . import _jax_internals, _prehash
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import ENTRY_FIELDS, Memo, Path, entry, lookup, path_name, slot_sites, slots, touched
+from ._slot import (
+    ENTRY_FIELDS,
+    Memo,
+    Path,
+    SlotSite,
+    entry,
+    lookup,
+    path_name,
+    replace_slots,
+    slot_sites,
+    slots,
+    touched,
+)
 from ._storage import Spec
 
 
 class Frame:
-    """The slots of one pytree (at root path `prefix`) and their current states."""
+    """The slots of one pytree (at root path `prefix`) and their current states.
+
+    **Lookup cannot misroute.** A slot is found where it is: by the object that owns it
+    (each owner at one path, `separated`), or, for a module rebuilt inside `fn`
+    (`eqx.tree_at`, `eqx.partition`/`eqx.combine`, `eqx.filter_grad` keep a slot's
+    arrays), by its `key` array, which belongs to exactly one path of the frame: a
+    `memox.call` gives every path its own slot arrays before `fn` runs (`separated`),
+    and every write makes new ones. A slot found by neither is not this call's."""
 
     def __init__(
-        self, tree: Any, prefix: Path = (), *, method: str | None = None, discover: bool = False
+        self,
+        tree: Any,
+        prefix: Path = (),
+        *,
+        method: str | None = None,
+        discover: bool = False,
+        sites: list[SlotSite] | None = None,
     ):
         self.trace = _jax_internals.current()
         # The cached method whose miss branch this frame belongs to (None for a call's own).
@@ -55,7 +80,7 @@ class Frame:
         # Objects whose ids are indexed stay alive as long as the frame, so that no id
         # is reused by another object while the frame can still be asked about it.
         self._alive: list[Any] = []
-        for site in slot_sites(tree):
+        for site in slot_sites(tree) if sites is None else sites:
             path = prefix + site.path
             self.store[path] = site.slot
             self._index_slot(path, site.slot)
@@ -70,13 +95,15 @@ class Frame:
 
     def find(self, owner: Any, field: str) -> Path | None:
         """The path of `owner.<field>` if that slot is threaded through this frame."""
+        prefix = self._by_owner.get(id(owner))
+        if prefix is not None:
+            return (*prefix, jtu.GetAttrKey(field))
         slot = getattr(owner, field, None)
         if isinstance(slot, Memo) and slot.allocated:
             path = self._by_key.get(id(slot.key))
             if path is not None and path[-1].name == field:
                 return path
-        prefix = self._by_owner.get(id(owner))
-        return None if prefix is None else (*prefix, jtu.GetAttrKey(field))
+        return None
 
     def write(self, path: Path, slot: Memo, method: str) -> None:
         """Store `slot` as the state of `path`, refusing tracers of an inner transform.
@@ -99,6 +126,32 @@ class Frame:
             return known(x)
         pre = _prehash.lookup(x)
         return array_fingerprint(x) if pre is None else pre
+
+
+def separated(tree: Any) -> tuple[Any, list[SlotSite]]:
+    """`tree` where no two paths share a slot's arrays or an owning module object, and
+    its slot sites. Two paths share them when a module was built from another one
+    (`eqx.tree_at(lambda m: m.w, template, w)` keeps the template's slot) or one module
+    object sits at two paths; each such path after the first gets its own copy of the
+    slot's `key` array (what lookup goes by; a few words), and rebuilding the tree gives
+    every path its own owner object. Otherwise `tree` itself."""
+    sites = list(slot_sites(tree))
+    seen_keys: set[int] = set()
+    seen_owners: set[int] = set()
+    copies: dict[Path, Memo] = {}
+    shared_owner = False
+    for site in sites:
+        if site.field is not None:
+            shared_owner |= id(site.owner) in seen_owners
+            seen_owners.add(id(site.owner))
+        if site.slot.allocated:
+            if id(site.slot.key) in seen_keys:
+                copies[site.path] = dataclasses.replace(site.slot, key=jnp.copy(site.slot.key))
+            seen_keys.add(id(site.slot.key))
+    if not copies and not shared_owner:
+        return tree, sites
+    tree = replace_slots(tree, copies, rebuild=True)
+    return tree, list(slot_sites(tree))
 
 
 class Pins:
@@ -143,7 +196,11 @@ class Pins:
         self.slots = {
             path: slot for path, slot in slots(carry).items() if path in allowed and slot.allocated
         }
-        self._by_key = {id(slot.key): path for path, slot in self.slots.items()}
+        # A key array at two paths (a slot shared by two modules) is pinned at neither.
+        by_key: dict[int, Path | None] = {}
+        for path, slot in self.slots.items():
+            by_key[id(slot.key)] = None if id(slot.key) in by_key else path
+        self._by_key = {k: p for k, p in by_key.items() if p is not None}
         self.carry = jtu.tree_leaves(carry)
         self.calls: dict[Path, list[tuple[list[Any], list[Any]]]] = {}
         # Per pinned slot: the value the first step read and the index of its entry.

@@ -152,6 +152,56 @@ UNHASHABLE_STATIC = (
 )
 
 
+NO_BITS = (
+    "memox stores and fingerprints an array by its bits, and cannot see those of dtype "
+    "`{dtype}` exactly: JAX has no unsigned integer of its width ({bits} bits), and "
+    "converting it to a 32-bit type loses or merges values. Cast the array to a dtype "
+    "JAX can bit-cast (e.g. `x.astype(jnp.float32)`) before it reaches a cached method."
+)
+
+
+UNCACHED_STAGED = (
+    "`{method}` computes without its slot in the program `memox.call` runs (inside a "
+    "transformation opened inside `fn` that rebuilt the module, such as `eqx.filter_jit` "
+    "or a diffrax solve, or on a module the call does not hold), so it computes at every "
+    "evaluation and caches nothing. Pass `memox.hoist(module)` into that transformation "
+    "instead of the module (its cached values are read once, before it), or call "
+    "`memox.call` inside it on the module it receives and return the new module."
+)
+
+STORE_DROPPED = (
+    "`{method}` stored its value in slot `{slot}` through a `memox.call` nested in "
+    "another one (inside `fn`, a loop body, a `while_loop` condition, a branch or a "
+    "vector field), but the module that nested call returned does not reach what the "
+    "enclosing call returns: the value is dropped, and the method computes again at "
+    "every evaluation. Return the new module (as a loop's carry, a branch's output, or "
+    "`fn`'s result), or pass `memox.hoist(module)` into the transformation from the "
+    "enclosing call (its values are read once, before it)."
+)
+
+BATCHED_PREDICATE = (
+    "`{method}` runs under `jax.vmap` with batched dependencies or arguments, where a "
+    "hit cannot skip the computation (`lax.cond` on a batched predicate runs both "
+    "branches): memox computes it for every element at every call and counts each as a "
+    "miss. To reuse one value for the batch, keep what it reads unbatched (`in_axes=None` "
+    "for the module), or compute it once before the `vmap`."
+)
+
+NO_CALL = (
+    "`{method}` ran inside `{api}` but outside `memox.call`, so it computes at every "
+    "evaluation and caches nothing. Call it through `memox.call(module, fn)` inside the "
+    "compiled function and return the new module, or compile with `memox.jit(fn)`."
+)
+
+DELETED_SLOTS = (
+    "memox: the arrays of slots {slots} were deleted: donated by a call you asked to "
+    "donate them (`donate=` of `eqx.filter_jit` or `memox.filter_jit`, `donate_argnums` "
+    "of `jax.jit`), so this call recomputes them. Use the module that call returned, or "
+    "donate only what you no longer use (`memox.jit` never deletes what you hold: it "
+    "donates a slot only where nothing else holds its arrays)."
+)
+
+
 class UncachedWarning(UserWarning):
     """A cached method ran inside `memox.call` where memox cannot reach its slot: it
     computed without caching. The message says what to change."""

@@ -21,8 +21,17 @@ results, same tree structures, same donation) with two additions:
    step to step, and (1) applies to them. Donated inputs are left to XLA (their buffers
    are reused).
 
+**Never deletes what `eqx.filter_jit` would not.** An array given back in place of a
+copy (2) is the caller's own, also held by the tree it came from, where
+`eqx.filter_jit` would have returned a fresh copy. So where a `memox.filter_jit` call
+later donates such an array, it donates a copy of it instead (the copy
+`eqx.filter_jit` would have made at the first call): the tree it came from keeps it.
+These arrays are known by identity, held weakly (`_handed_back`).
+
 Empty slots in the arguments are allocated before the first trace (as `memox.init`
-does), so that a step traces once even when the model was not initialised.
+does), so that a step traces once even when the model was not initialised; the `Memo`
+nodes of an optimizer state made from `eqx.filter(model, ...)` (leaves `None`) mirror
+the model's slots and are left as they are (`_jit.allocated`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
@@ -40,7 +50,8 @@ import jax.tree_util as jtu
 from typing_extensions import ParamSpec
 
 from . import _prehash
-from ._jit import allocated_once
+from ._fingerprint import is_concrete_array
+from ._jit import allocated_once, copied
 from ._slot import EMPTY
 
 
@@ -91,6 +102,22 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     **Returns:**
 
     The compiled function, called as `fun` is.
+
+    **When to call `memox.init`:** not for `memox.filter_jit`. Before the first trace,
+    the empty slots for methods without arguments in the arguments are allocated (an
+    optimizer state's mirrors of them, from `opt.init(eqx.filter(model, ...))`, are
+    left alone), so the ordinary loop `model, opt_state = step(model, opt_state)` with
+    `memox.call` inside the loss traces once on a model never initialised. A slot of a
+    cached method that takes arguments (a keyed table) is allocated at its first fill:
+    one retrace, unless `memox.init(model, fn, *args)` ran first. (With `eqx.filter_jit`
+    in its place, call `memox.init(model)` first: it retraces once at the first fill
+    otherwise.)
+
+    **Donation** is `eqx.filter_jit`'s, with one difference that keeps your arrays: an
+    array that `memox.filter_jit` gave back in place of a copy (an input passed through)
+    is still held by the tree it came from, so a `memox.filter_jit` call that donates it
+    donates a copy instead. (Donating it to other code, such as `jax.jit`'s
+    `donate_argnums`, deletes it for both.)
 
     !!! Example
 
@@ -177,13 +204,15 @@ class _FilterJit(eqx.Module):
             args = tuple(map(allocated_once, args))
             kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
             call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
+        if self._donate != "none" and _handed_back:
+            arrays = _unshared(arrays, call.donated(self._donate in ("all", "warn"), True))
         table = self._inputs.table(arrays)
         first, rest = call.groups(arrays)
         dynamic, out, _ = self._compiled((first, table), rest, call)
         self._inputs.register(arrays)
         dynamic_ = iter(dynamic)
         leaves = [
-            next(dynamic_) if x is _ARRAY else _output(arrays[x.index]) if _is_input(x) else x
+            next(dynamic_) if x is _ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
             for x in out.leaves
         ]
         return jtu.tree_unflatten(out.treedef, leaves)
@@ -257,6 +286,42 @@ class _Out(eqx.Module):
     leaves: tuple[Any, ...] = eqx.field(static=True)
 
 
-def _output(x: Any) -> Any:
-    """An input array given back as the output it was (a NumPy input as a JAX array)."""
-    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+# The arrays `memox.filter_jit` gave back in place of a copy (inputs passed through), by
+# id, held weakly.
+_handed_back: dict[int, weakref.ref] = {}
+
+
+def _hand_back(x: Any) -> Any:
+    """An input array given back as the output it was (a NumPy input as a JAX array),
+    recorded as given back."""
+    if not isinstance(x, jax.Array):
+        return jnp.asarray(x)  # a new array: the caller's is NumPy
+    if not is_concrete_array(x):  # inside an outer trace: nothing is donated
+        return x
+    key = id(x)
+    ref = _handed_back.get(key)
+    if ref is None or ref() is not x:
+        _handed_back[key] = weakref.ref(x, functools.partial(_forget, key))
+    return x
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _handed_back.get(key) is ref:
+        del _handed_back[key]
+
+
+def _unshared(arrays: list, donated: list[bool]) -> list:
+    """`arrays`, with a copy of each one to be donated that was given back in place of a
+    copy: the tree it came from still holds it (`eqx.filter_jit` would have donated the
+    copy it returned)."""
+    shared = []
+    for i, (x, donate) in enumerate(zip(arrays, donated)):
+        ref = _handed_back.get(id(x)) if donate else None
+        if ref is not None and ref() is x:
+            shared.append(i)
+    if not shared:
+        return arrays
+    out = list(arrays)
+    for i, x in zip(shared, copied([arrays[i] for i in shared])):
+        out[i] = x
+    return out

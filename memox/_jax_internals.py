@@ -22,7 +22,7 @@ import jax
 import jax.extend
 import numpy as np
 from jax._src import config as _config, core as _core
-from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import batching as _batching, partial_eval as _pe
 
 
 if TYPE_CHECKING:
@@ -51,9 +51,10 @@ def visible_at(value: Any, trace: Any) -> bool:
     return any(t is owner for t in _lineage(trace))
 
 
-def _loop_body() -> tuple[Any, str | None]:
-    """The trace of the innermost loop body being traced and the loop's name, if any."""
-    for trace in _lineage(current()):
+def _loop_body(start: Any = None) -> tuple[Any, str | None]:
+    """The trace of the innermost loop body being traced (at `start`, default: now) and
+    the loop's name, if any."""
+    for trace in _lineage(current() if start is None else start):
         frame = getattr(trace, "frame", None)
         traced_for = getattr(getattr(frame, "debug_info", None), "traced_for", None)
         if traced_for in _LOOP_BODIES:
@@ -61,9 +62,10 @@ def _loop_body() -> tuple[Any, str | None]:
     return None, None
 
 
-def inside_loop_body() -> str | None:
-    """The name of the innermost loop whose body is being traced, if any."""
-    return _loop_body()[1]
+def inside_loop_body(trace: Any = None) -> str | None:
+    """The name of the innermost loop whose body (or condition: `"while_cond"`) is being
+    traced at `trace` (default: now), if any."""
+    return _loop_body(trace)[1]
 
 
 def loop_closing_over(values: list[Any]) -> str | None:
@@ -116,6 +118,67 @@ def _plain_context(value: Any) -> Any:
             getattr(value, "abstract_device", None),
         )
     return value
+
+
+def staged_count(trace: Any) -> int | None:
+    """How many equations `trace` has staged so far; `None` where it stages none (an
+    eager or transforming trace, not a jaxpr being built)."""
+    frame = getattr(trace, "frame", None) if isinstance(trace, _pe.DynamicJaxprTrace) else None
+    eqns = getattr(frame, "tracing_eqns", None)
+    return None if eqns is None else len(eqns)
+
+
+def staged_since(trace: Any, start: int) -> list[Any]:
+    """The equations `trace` staged after the first `start` (those JAX already dropped
+    as dead code left out)."""
+    out = []
+    for eqn in trace.frame.tracing_eqns[start:]:
+        # (An entry is the equation, or a callable giving it: a weak reference, or on
+        # jax 0.10 a closure for one JAX keeps.)
+        eqn = eqn if hasattr(eqn, "source_info") else eqn()
+        if eqn is not None:
+            out.append(eqn)
+    return out
+
+
+def live_name_stacks(trace: Any, outputs: list[Any]) -> Iterator[str]:
+    """The name stacks of the equations `trace` has staged that `outputs` (values of it)
+    depend on: JAX's own dead-code elimination of the program, then of each jaxpr
+    inside it (a loop body, a `while_loop` condition, a branch, a call) with respect to
+    that jaxpr's own outputs, so that what cannot leave a jaxpr counts as dead whether
+    or not the rule of its primitive prunes it."""
+    frame = trace.frame
+    outvars: list[Any] = [
+        x.val for x in outputs if isinstance(x, jax.core.Tracer) and x._trace is trace
+    ]
+    constvars, invars = list(frame.constvar_to_val), list(frame.invars)
+    info = _core.DebugInfo("memox", "the program of a memox.call", None, None)
+    jaxpr = _core.Jaxpr(constvars, invars, outvars, frame.get_eqns(), frozenset(), info)
+    return name_stacks(_pe.dce_jaxpr(jaxpr, [True] * len(outvars))[0].eqns, live=True)
+
+
+def name_stacks(eqns: list[Any], *, live: bool = False) -> Iterator[str]:
+    """The name stack (`jax.named_scope`s) of each of `eqns` and of every equation in
+    the jaxprs their parameters hold (loop bodies, branches, calls), recursively; with
+    `live`, of those each jaxpr's outputs or effects depend on."""
+    for eqn in eqns:
+        yield str(eqn.source_info.name_stack)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    if live:
+                        sub = _pe.dce_jaxpr(sub, [True] * len(sub.outvars))[0]
+                    yield from name_stacks(list(sub.eqns), live=live)
+
+
+def is_batched(x: Any) -> bool:
+    """Whether `x` is batched by a `vmap` being traced right now (a `lax.cond` on it
+    becomes a `select`: both branches run)."""
+    trace = getattr(x, "_trace", None)
+    # (Not mapped: `None` on every JAX in CI; an `int` or a ragged axis spec when mapped.)
+    return isinstance(trace, _batching.BatchTrace) and x.batch_dim is not None
 
 
 def used_inputs(closed: jax.extend.core.ClosedJaxpr) -> list[bool]:

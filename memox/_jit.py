@@ -6,10 +6,21 @@ can change, so the compiled function returns only the slots, and the wrapper spl
 them into the caller's module outside the compiled code: every other leaf of the
 returned module is the caller's own array.
 
-The slots themselves are donated: their buffers are reused for the returned slots, so a
-hit, whose table passes through unchanged, copies nothing, and a miss writes its entry in
-place. The caller's old module loses its slot arrays (a later call on it recomputes; see
-`revive`), never its parameters.
+**Donation: nothing the caller holds loses its arrays.** The slots are donated, so that
+a hit, whose table passes through unchanged, copies nothing and a miss writes its entry
+in place. A donated array is deleted, so the rule is: a slot's arrays are donated only
+where the slot (the `Memo` node in the module passed in) is the one object that holds
+them, and after the call that node is given the returned slot's arrays. Every object that
+reaches the module passed in (an early-stopping `best = model`, the caller's own
+variable) therefore still holds readable arrays: the slot as the call left it (valid by
+the key rule, so a later call on it hits where its parameters match), and its parameters
+never crossed the boundary. Where anything else holds a slot's arrays too (a list of
+leaves, a copy of the module made by a tree operation, the node of an older module given
+the same arrays), the call donates a copy of them instead: one copy of the table. Who
+holds an array is read from its reference count (as NumPy elides temporaries): exact in
+CPython, calibrated once, and only ever wrong towards copying. In the threaded loop
+(`out, model = step(model, x)`) the old module is gone by the next call, so every hit
+copies nothing; a kept module costs one copy at the next call.
 
 Dependencies that are the caller's arrays are fingerprinted outside the compiled code,
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared
@@ -22,28 +33,30 @@ slots' leaves lie is worked out once per tree structure) and calls `jax.jit` dir
 with the arrays as traced arguments and everything else (the tree structures, static
 fields and non-array leaves) as one hashable static argument: the semantics of
 `eqx.filter_jit`, without its second partition of the same trees on every call. A
-module passed again with its slots empty or donated (a caller that does not thread the
-returned module) gets the slots the last call on that same object returned, by
-identity: no new allocation, and no recomputation of what they hold.
+module passed again with its slots empty (a caller that does not thread the returned
+module) gets the slots the last call on that same object returned, by identity: no new
+allocation, and no recomputation of what they hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Concatenate
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from . import _prehash
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
-from ._slot import Memo, is_memo, slots
+from ._slot import EMPTY, Memo, Path, _child, is_memo, slots
 from ._typing import Fn, M, P, R
 
 
@@ -69,14 +82,22 @@ def jit(
     - `fn`: the function to run, called as `fn(module, *args, **kwargs)`.
     - `donate`: whether the module's slot buffers are donated to the returned module
       (the default). A hit then copies nothing, where without donation XLA copies each
-      slot's table (the cached values) into a fresh output buffer on every call. The
-      module you passed in keeps its parameters but loses its slot arrays: keep using
-      the returned one (`out, model = step(model, x)`); a call on the old module
-      recomputes and warns, and other code reading its slots finds deleted arrays.
+      slot's table (the cached values) into a fresh output buffer on every call.
+      Nothing you hold loses its arrays: a slot is donated only where nothing else
+      holds its arrays, and the module you passed in is then given the returned slots
+      (it stays usable, serialisable, and hits where its parameters match); where
+      something else holds them (a module you kept from an earlier step, a list of
+      leaves), that call donates a copy.
 
     Arrays anywhere in `module` and the arguments are traced; everything else is static.
-    Before the first trace, the module's slots for methods without arguments are
-    allocated, so a loop `out, model = step(model, x)` traces once.
+
+    **When to call `memox.init`:** not for `memox.jit`. Before the first trace, the
+    module's empty slots for methods without arguments are allocated, so a loop
+    `out, model = step(model, x)` traces once. A slot of a cached method that takes
+    arguments (a keyed table) is allocated at its first fill, which changes its leaves
+    from markers to arrays: one retrace, unless `memox.init(module, fn, *args)` ran
+    first. (Elsewhere, under `jax.jit`, `eqx.filter_jit` or as a `lax.scan` carry, a
+    module needs `memox.init` first.)
 
     **Returns:**
 
@@ -116,27 +137,90 @@ def jit(
 
     @functools.wraps(fn)
     def wrapped(module: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, M]:
-        static, arrays, slot_leaves, put, ready = _Signature.split(module, args, kwargs)
-        if jtu.treedef_is_leaf(static.module):
+        split = _Signature.split(module, args, kwargs, donate)
+        if jtu.treedef_is_leaf(split.signature.module):
             check_module("jit", module)
         given = None
-        if not ready:  # rare: allocate, or revive
-            given, module = module, latest.get(module) or allocate_plain_slots(revive(module))
-            static, arrays, slot_leaves, put, _ = _Signature.split(module, args, kwargs)
-        dynamic, static_out, new_slots = compiled(
-            static, arrays, slot_leaves, inputs.table(arrays)
-        )
+        if not split.ready:  # rare: allocate, or revive
+            given, module = module, latest.get(module) or allocated(module)
+            split = _Signature.split(module, args, kwargs, donate)
+        arrays = split.arrays
+        slot_leaves = split.donated() if donate else split.slot_leaves
+        try:
+            dynamic, static_out, new_slots = compiled(
+                split.signature, arrays, slot_leaves, inputs.table(arrays)
+            )
+        except BaseException:  # (a failure after the donation: the nodes get empty slots)
+            split.hand_over_empty()
+            raise
         inputs.register(arrays)
-        new_module = put(new_slots)
+        new_module = split.put(new_slots)
+        split.hand_over(new_slots)
         if given is not None:
             latest.put(given, new_module)
         return eqx.combine(dynamic, static_out.value), new_module
 
-    # A module passed again with its slots empty (or donated), as by a caller that does
-    # not thread the returned module: the slots the last call on it returned, not a new
-    # allocation (which also recomputes what they hold).
+    # A module passed again with its slots empty, as by a caller that does not thread
+    # the returned module: the slots the last call on it returned, not a new allocation
+    # (which also recomputes what they hold).
     latest = _ByIdentity()
     return wrapped
+
+
+# -- who holds a slot's arrays ------------------------------------------------------------
+
+
+def _references(leaves: list, j: int) -> int:
+    """`sys.getrefcount` of `leaves[j]`, counted the same way wherever it is called from
+    (compared with `_HELD_ONCE` only, which this same function measured)."""
+    x = leaves[j]
+    return sys.getrefcount(x)
+
+
+def _calibrated() -> int:
+    """`_references` of an object held by one list and by one other object: a slot's
+    array held by its `Memo` node and by the list of leaves flattened from it."""
+    probe = object()
+    node, leaves = [probe], [probe]
+    del probe
+    found = _references(leaves, 0)
+    del node
+    return found
+
+
+_HELD_ONCE = _calibrated()
+
+
+def _held_once(leaves: list, a: int, b: int) -> bool:
+    """Whether the concrete arrays `leaves[a:b]` (one slot's) are each held by one object
+    besides `leaves` (the node they were flattened from) and by nothing else."""
+    if not is_concrete_array(leaves[a]):  # (a slot is concrete or traced as a whole)
+        return False
+    for j in range(a, b):
+        if _references(leaves, j) != _HELD_ONCE:
+            return False
+    return True
+
+
+@jax.jit
+def copied(leaves: list[Any]) -> list[Any]:
+    """Copies of `leaves` in new buffers (one dispatch: `jax.device_put(...,
+    may_alias=False)` costs ~15x more on XLA:CPU for a slot's eight small arrays)."""
+    return [jnp.copy(x) for x in leaves]
+
+
+_SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))
+
+
+def _hand_over(node: Memo, new: Memo) -> None:
+    """Give `node`, whose arrays were donated, the arrays of the slot returned in their
+    place: every object reaching it (a module the caller kept) reads the slot as the
+    call left it. (A slot is an immutable pytree node to everything else; this is the
+    one place memox sets its fields, and only on arrays it has just consumed.)"""
+    fields = object.__getattribute__(new, "__dict__")  # (`eqx.Module`'s own is slower)
+    target = object.__getattribute__(node, "__dict__")
+    for name in _SLOT_FIELDS:
+        target[name] = fields[name]
 
 
 class _ByIdentity:
@@ -165,17 +249,56 @@ class _ByIdentity:
         self._entries[id(key)] = (ref, value)
 
 
+class _Mirror:
+    """A `Memo` node that a filter emptied (`None` leaves), hidden from allocation."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: Memo):
+        self.slot = slot
+
+
+def _is_mirror(x: Any) -> bool:
+    return isinstance(x, _Mirror)
+
+
+def allocated(tree: Any) -> Any:
+    """`tree` with its empty slots allocated, as `memox.init(tree)` would: for
+    `memox.jit` and `memox.filter_jit`, before their first trace.
+
+    Only declared-empty slots (their leaves the `EMPTY` marker) are allocated. A `Memo`
+    node whose leaves are `None` is a filter's image of a slot, not a slot: the mirror
+    of the model in an optimizer state made from `eqx.filter(model, ...)` (adam's
+    `mu` and `nu`), or half of an `eqx.partition`. Allocating it would change the
+    optimizer state's structure, and compute the method on a module of `None`s."""
+    if not any(x is EMPTY for x in jtu.tree_leaves(tree)):
+        return revive(tree)
+    hidden = jtu.tree_map(
+        lambda x: _Mirror(x) if is_memo(x) and x.value is None else x, tree, is_leaf=is_memo
+    )
+    filled = allocate_plain_slots(revive(hidden))
+    return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
+
+
 _allocated = _ByIdentity()
 
 
 def allocated_once(tree: Any) -> Any:
-    """`tree` with its empty slots allocated (`memox.init`), the same allocation for the
-    same object while its slots are usable: for `memox.filter_jit`, whose compiled
-    function returns the caller's own trees, which it cannot map back to `tree`."""
+    """`allocated(tree)`, the same allocation for the same object while its slots are
+    usable: for `memox.filter_jit`, whose compiled function returns the caller's own
+    trees, which it cannot map back to `tree`."""
     found = _allocated.get(tree)
     if found is None:
-        found = allocate_plain_slots(revive(tree))
-        _allocated.put(tree, found)
+        try:
+            found = allocated(tree)
+        except Exception:
+            # A method that cannot be planned on `tree` as given (half of an
+            # `eqx.partition`: its parameters are `None`): its slots are left to the
+            # trace, which allocates them at the first fill (one retrace, as under
+            # `eqx.filter_jit`); a real error in the method surfaces there.
+            return tree
+        if found is not tree:  # (an entry holding its own key would never go)
+            _allocated.put(tree, found)
     return found
 
 
@@ -219,30 +342,92 @@ def _slot_leaf(index: int, j: int) -> _SlotLeaf:
     return found
 
 
-_layouts: dict[Any, tuple[tuple[int, int], ...] | None] = {}
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the slots are in a module of one tree structure, in flattening order: the
+    range of leaves of each (`(-1, -1)` where it has none), and its path."""
+
+    ranges: tuple[tuple[int, int], ...]
+    paths: tuple[Path, ...]
+
+    def node(self, module: Any, k: int) -> Any:
+        """The `k`-th slot node of `module` (None where its path cannot be followed)."""
+        node = module
+        try:
+            for entry in self.paths[k]:
+                if isinstance(entry, jtu.GetAttrKey):  # a field (`eqx.Module`'s is slower)
+                    node = object.__getattribute__(node, entry.name)
+                else:
+                    node = _child(node, entry)
+        except Exception:
+            return None
+        return node
 
 
-def _layout(treedef: Any) -> tuple[tuple[int, int], ...] | None:
-    """Where the slots' leaves are among the leaves of a module of structure `treedef`:
-    a range per slot, in flattening order (computed once per structure, by rebuilding
-    the module with integers for leaves; None where its nodes refuse that)."""
+_layouts: dict[Any, _Layout | None] = {}
+
+
+def _layout(treedef: Any) -> _Layout | None:
+    """The layout of a module of structure `treedef` (computed once per structure, by
+    rebuilding the module with integers for leaves; None where its nodes refuse that)."""
     if treedef in _layouts:
         return _layouts[treedef]
-    found: tuple[tuple[int, int], ...] | None
+    found: _Layout | None
     try:
         tree = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
-        ranges = []
-        for x in jtu.tree_leaves(tree, is_leaf=is_memo):
+        ranges, paths = [], []
+        for path, x in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
             if is_memo(x):
                 idx: list[int] = jtu.tree_leaves(x)
                 ranges.append((idx[0], idx[-1] + 1) if idx else (-1, -1))
-        found = tuple(ranges)
+                paths.append(path)
+        found = _Layout(tuple(ranges), tuple(paths))
     except Exception:  # a node that checks its leaves: the general path
         found = None
     if len(_layouts) > 1024:
         _layouts.clear()
     _layouts[treedef] = found
     return found
+
+
+@dataclasses.dataclass
+class _Split:
+    """A call taken apart: the signature, the arrays, the slots' leaves (one list per
+    slot), a function putting new slots (by index in flattening order) into the module,
+    whether every slot is ready (needs neither allocation nor revival), and, with
+    donation, the slots to hand over: per list of leaves, the `Memo` node that alone
+    holds them (None where something else holds them too), and the index of its slot."""
+
+    signature: _Signature
+    arrays: list[Any]
+    slot_leaves: list[list[Any]]
+    put: Callable[[dict[int, Memo]], Any]
+    ready: bool
+    owners: list[Memo | None]
+    first: list[int]
+
+    def donated(self) -> list[list[Any]]:
+        """The slots' leaves to donate: a copy of those that something else holds (none
+        in the threaded loop; traced ones are not donated: an outer trace's)."""
+        if all(owner is not None for owner in self.owners):
+            return self.slot_leaves
+        return [
+            leaves if owner is not None or not is_concrete_array(leaves[0]) else copied(leaves)
+            for leaves, owner in zip(self.slot_leaves, self.owners)
+        ]
+
+    def hand_over(self, new_slots: dict[int, Memo]) -> None:
+        """Give each donated slot node the slot returned in its place."""
+        for owner, k in zip(self.owners, self.first):
+            if owner is not None and k in new_slots:
+                _hand_over(owner, new_slots[k])
+
+    def hand_over_empty(self) -> None:
+        """Where the call failed after consuming a donated slot: give its node an empty
+        allocation of the same shapes (it recomputes; nothing the caller holds breaks)."""
+        for owner, leaves in zip(self.owners, self.slot_leaves):
+            if owner is not None and any(x.is_deleted() for x in leaves):
+                _hand_over(owner, jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), owner))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,22 +443,22 @@ class _Signature:
     argument_leaves: tuple[Any, ...]  # the leaf where static; `_ARRAY`
 
     @classmethod
-    def split(
-        cls, module: Any, args: tuple, kwargs: dict
-    ) -> tuple[_Signature, list[Any], list[list[Any]], Any, bool]:
-        """The signature, the arrays, the slots' leaves (one list per slot), a function
-        putting new slots (by index in flattening order) into the module, and whether
-        every slot is ready (needs neither allocation nor revival)."""
+    def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
         leaves, treedef = jtu.tree_flatten(module)
-        ranges = _layout(treedef)
-        if ranges is None:
-            return cls._split_nested(module, args, kwargs)
+        layout = _layout(treedef)
+        if layout is None:
+            del leaves  # (it holds the slots' arrays: `_split_nested` counts who does)
+            return cls._split_nested(module, args, kwargs, donate)
+        # Before anything else holds them: which slots' arrays their node alone holds.
+        alone = [donate and a >= 0 and _held_once(leaves, a, b) for a, b in layout.ranges]
         statics: list[Any] = leaves[:]
         in_slot = [False] * len(leaves)
         slot_leaves: list[list[Any]] = []
+        owners: list[Memo | None] = []
+        first: list[int] = []
         seen: dict[int, int] = {}
         ready = True
-        for a, b in ranges:
+        for k, (a, b) in enumerate(layout.ranges):
             if a < 0 or not isinstance(leaves[a], _ARRAY_TYPES):  # empty, or filtered out
                 ready = False
                 continue
@@ -283,6 +468,10 @@ class _Signature:
             index = seen.setdefault(id(value), len(slot_leaves))
             if index == len(slot_leaves):
                 slot_leaves.append(leaves[a:b])
+                node = layout.node(module, k) if alone[k] else None
+                owned = is_memo(node) and object.__getattribute__(node, "value") is value
+                owners.append(node if owned else None)
+                first.append(k)
             for j in range(b - a):
                 statics[a + j] = _slot_leaf(index, j)
                 in_slot[a + j] = True
@@ -295,36 +484,40 @@ class _Signature:
 
         def put(new_slots: dict[int, Memo]) -> Any:
             for k, slot in new_slots.items():
-                a, b = ranges[k]
+                a, b = layout.ranges[k]
                 leaves[a:b] = jtu.tree_leaves(slot)
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return signature, arrays, slot_leaves, put, ready
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
 
     @classmethod
-    def _split_nested(
-        cls, module: Any, args: tuple, kwargs: dict
-    ) -> tuple[_Signature, list[Any], list[list[Any]], Any, bool]:
+    def _split_nested(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
         """`split` for a module whose structure cannot be rebuilt from placeholders:
         slots found as nodes (slower: a Python test on every node)."""
         leaves, treedef = jtu.tree_flatten(module, is_leaf=_is_memo)
         arrays: list[Any] = []
         slot_leaves: list[list[Any]] = []
+        owners: list[Memo | None] = []
+        first: list[int] = []
         seen: dict[int, int] = {}
         statics, memos, ready = [], [], True
         for i, x in enumerate(leaves):
             if _is_memo(x):
-                memos.append(i)
                 ready = ready and _ready(x)
                 if not x.allocated:
                     statics.append(x)
+                    memos.append(i)
                     continue
-                one_slot, slot_treedef = jtu.tree_flatten(x)
                 if id(x) not in seen:
+                    one_slot, slot_treedef = jtu.tree_flatten(x)
+                    alone = donate and _held_once(one_slot, 0, len(one_slot))
                     seen[id(x)] = len(slot_leaves)
                     slot_leaves.append(one_slot)
-                statics.append(_Slot(slot_treedef, seen[id(x)]))
+                    owners.append(x if alone else None)
+                    first.append(len(memos))
+                statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
+                memos.append(i)
             elif isinstance(x, _ARRAY_TYPES):
                 arrays.append(x)
                 statics.append(_ARRAY)
@@ -338,7 +531,7 @@ class _Signature:
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return signature, arrays, slot_leaves, put, ready
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
 
     @staticmethod
     def _arguments(args: tuple, kwargs: dict, arrays: list[Any]) -> tuple[tuple, Any]:

@@ -62,7 +62,6 @@ import os
 import struct
 import sys
 import types
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -316,9 +315,7 @@ def _node_rule(x: Any) -> Any:
     if kind is dict:
         return lambda d: token(tuple(d))
     if isinstance(x, eqx.Module):
-        names = tuple(
-            f.name for f in dataclasses.fields(x) if f.metadata.get("static", False)
-        )
+        names = tuple(f.name for f in dataclasses.fields(x) if f.metadata.get("static", False))
         if not names:
             return _NO_DATA
         return lambda m: token(tuple(getattr(m, n, _ABSENT) for n in names))

@@ -1,6 +1,6 @@
 """The memoised operation: what happens when a cached method is called in a frame.
 
-For a planned call (`_plan.py`), `memoised` runs one operation:
+For a planned call (`_plan.py`), `Memoised` runs one operation, built once per plan:
 
 1. **Check** (in-graph): fingerprint the dependencies and the array arguments (the
    policy says which; a concrete array's fingerprint is kept by identity) and chain them
@@ -10,10 +10,12 @@ For a planned call (`_plan.py`), `memoised` runs one operation:
    updated) and runs the method and stores its value on a miss; the value is then read
    from the slot. A hit therefore skips the computation at run time. Cached methods
    reached inside the miss branch get a frame of their own, with the slots below this
-   module threaded through the branch, so nested caches fill once. In the loop of a
-   `memox.scan`, a slot the loop cannot change is *pinned*: its value is the one the
-   first step returned, closed over by the loop body (`_context.Pins.read`), with no
-   fingerprint and no branch (a hit by construction).
+   module threaded through the branch, so nested caches fill once. Under `vmap` with a
+   batched predicate both branches would run (a `select`): the operation then computes,
+   stores and counts a miss, and says so (`_ledger.py`). In the loop of a `memox.scan`,
+   a slot the loop cannot change is *pinned*: its value is the one the first step
+   returned, closed over by the loop body (`_context.Pins.read`), with no fingerprint
+   and no branch (a hit by construction).
 3. **Differentiate**: the operation is a `jax.custom_jvp` with symbolic zeros. When no
    dependency or argument carries a tangent (a frozen part) it is the branch above and
    its tangent is a symbolic zero: a hit recomputes nothing, even under `jax.grad`.
@@ -23,6 +25,7 @@ For a planned call (`_plan.py`), `memoised` runs one operation:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +36,9 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import _context, _jax_internals
+from . import _context, _errors, _jax_internals, _ledger
 from ._fingerprint import combine
-from ._plan import Call
+from ._plan import Call, Method, Parts, Plan
 from ._policy import fresh
 from ._slot import (
     Memo,
@@ -44,6 +47,7 @@ from ._slot import (
     entry,
     is_memo,
     lookup,
+    path_name,
     stored,
     strong,
     touched,
@@ -58,110 +62,182 @@ if TYPE_CHECKING:
 def memoised(call: Call) -> Any:
     """The value of `call`: read from its slot where the key says it may be reused,
     else computed and stored; the slot's new state is written to the call's frame."""
-    method, frame, path, module = call.method, call.frame, call.path, call.module
-    parts, arrays, arg_parts, arg_arrays = call.parts, call.arrays, call.arg_parts, call.arg_arrays
-    the_plan, slot = (
-        call.plan,
-        conformed(call.slot, call.plan.spec, [*call.arrays, *call.arg_arrays]),
-    )
-    policy = method.policy
-    used = set(the_plan.used)
-    deps = [x for i, x in enumerate(arrays) if i in used]
-    others = [x for i, x in enumerate(arrays) if i not in used]
-    keyed = [*deps, *arg_arrays] if policy.keys_dependencies else arg_arrays
-    # In a `memox.scan` body, a slot the loop cannot change is read without a branch.
-    pins = _context.pins()
-    if pins is not None and pins.claim(slot, policy.max_age, [*deps, *arg_arrays], keyed):
-        value, slot = pins.read(slot, the_plan.spec)  # a hit by construction (`_scan.py`)
-        frame.write(path, slot, method.qualname)
+    return Memoised.of(call).run(call)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """Where the slots a nested cached method may fill lie, for one call (a static,
+    hashable argument of the operation): the owner's path, the paths of the owner's
+    slots relative to it, and those (other than the call's own) threaded through the
+    miss branch."""
+
+    owner: Path
+    memo_paths: tuple[Path, ...]
+    threaded: tuple[Path, ...]
+
+
+class Memoised:
+    """The memoised operation of one plan: its primal (check, branch, read) and tangent
+    rules as methods of one `jax.custom_jvp`, made once per plan and module skeleton."""
+
+    def __init__(self, method: Method, plan: Plan, parts: Parts, arg_parts: Parts, n: int):
+        self.method, self.plan, self.parts, self.arg_parts = method, plan, parts, arg_parts
+        self.policy = method.policy
+        self.used = frozenset(plan.used)
+        self.n_arrays = n
+        self.op = jax.custom_jvp(self.primal, nondiff_argnums=(0,))
+        self.op.defjvp(self.tangent, symbolic_zeros=True)
+
+    @classmethod
+    def of(cls, call: Call) -> Memoised:
+        """The operation of `call`'s plan (a plan is made per static key, which holds
+        both skeletons: their non-array parts are the same up to their tokens)."""
+        found = _MADE.get(call.plan)
+        if found is None:
+            found = cls(call.method, call.plan, call.parts, call.arg_parts, len(call.arrays))
+            if len(_MADE) >= 4096:
+                _MADE.clear()
+            _MADE[call.plan] = found
+        return found
+
+    # -- one call ------------------------------------------------------------------------
+
+    def run(self, call: Call) -> Any:
+        frame, path, policy = call.frame, call.path, self.policy
+        slot = conformed(call.slot, self.plan.spec, [*call.arrays, *call.arg_arrays])
+        deps = [x for i, x in enumerate(call.arrays) if i in self.used]
+        others = [x for i, x in enumerate(call.arrays) if i not in self.used]
+        keyed = [*deps, *call.arg_arrays] if policy.keys_dependencies else call.arg_arrays
+        # In a `memox.scan` body, a slot the loop cannot change is read without a branch.
+        pins = _context.pins()
+        if pins is not None and pins.claim(slot, policy.max_age, [*deps, *call.arg_arrays], keyed):
+            value, slot = pins.read(slot, self.plan.spec)  # a hit by construction
+            frame.write(path, slot, self.method.qualname)
+            return value
+        nested = self._nested(call)
+        sub = [frame.store[p] for p in nested.threaded]
+        key = combine([frame.fingerprint(x) for x in keyed], self.plan.salt)
+        markers = _ledger.store(self.method.qualname, path_name(path))
+        operands = (nested, deps, others, call.arg_arrays, slot, sub, key)
+        if markers is None:
+            value, new_slot, new_sub = self.op(*operands)
+        else:  # the enclosing call checks that this store reaches its outputs
+            with markers[0]:
+                value, new_slot, new_sub = self.op(*operands)
+            with markers[1]:
+                new_slot = dataclasses.replace(
+                    new_slot, key=lax.optimization_barrier(new_slot.key)
+                )
+        if pins is not None:  # the first step of a `memox.scan`: what its loop will read
+            pins.filled(slot, new_slot, key, value)
+        frame.write(path, new_slot, self.method.qualname)
+        for p, s in zip(nested.threaded, new_sub):
+            frame.write(p, s, self.method.qualname)
         return value
-    # A method that calls other cached methods threads the slots below its module (but
-    # its own) through its miss branch, so that those fill in the same computation.
-    owner_path = path[:-1]
-    memo_paths = [owner_path + p for p in _slot_paths(module)] if the_plan.nested else []
-    sub_paths = [
-        p for p in memo_paths if p != path and p in frame.store and frame.store[p].allocated
-    ]
-    sub = [frame.store[p] for p in sub_paths]
 
-    n_arrays = len(arrays)
+    def _nested(self, call: Call) -> Nested:
+        """The slots below the call's module (but its own) that a nested cached method
+        may fill: threaded through the miss branch, so that they fill in the same
+        computation."""
+        owner = call.path[:-1]
+        if not self.plan.nested:
+            return Nested(owner, (), ())
+        memo_paths = tuple(_slot_paths(call.module))
+        threaded = tuple(
+            owner + p
+            for p in memo_paths
+            if owner + p != call.path
+            and owner + p in call.frame.store
+            and call.frame.store[owner + p].allocated
+        )
+        return Nested(owner, memo_paths, threaded)
 
-    def merge(deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:
-        deps_, others_ = iter(deps), iter(others)
-        return [next(deps_) if i in used else next(others_) for i in range(n_arrays)]
+    # -- the primal: check, branch, read ------------------------------------------------
 
-    def compute(deps, others, arg_arrays, sub, *, caching: bool):
-        a, k = arg_parts.rebuild(arg_arrays)
-        if caching and the_plan.nested:
-            states = dict(zip(sub_paths, sub))
-            view = parts.rebuild(merge(deps, others), [states.get(p, Memo()) for p in memo_paths])
-            inner = _context.Frame(view, owner_path, method=method.qualname)
-            with _context.active(inner):
-                value = method.fn(view, *a, **k)
-            return strong(value), [inner.store[p] for p in sub_paths]
-        with _context.active(_context.Plain()):
-            value = method.fn(parts.rebuild(merge(deps, others)), *a, **k)
-        return strong(value), sub
-
-    def store(slot, value, deps, key):
-        snapshot = pack(deps) if policy.snapshots else jnp.zeros((0,), jnp.uint8)
-        return stored(slot, value, the_plan.spec, key, snapshot)
-
-    # The branches return the slot, never the value: on a hit the table passes through
-    # (no copy where its buffer is donated, as `memox.jit` does), and the value is read
-    # from the table after the branch, where XLA can fuse the read into its consumers.
-    def hit_branch(index, deps, others, arg_arrays, slot, sub, key):
-        return touched(slot, index), sub, index
-
-    def miss_branch(index, deps, others, arg_arrays, slot, sub, key):
-        value, sub = compute(deps, others, arg_arrays, sub, caching=True)
-        slot, index = store(slot, value, deps, key)
-        return slot, sub, index
-
-    def primal(deps, others, arg_arrays, slot, sub, key):
+    def primal(self, nested: Nested, deps, others, arg_arrays, slot, sub, key):
+        policy, spec = self.policy, self.plan.spec
         snapshots = []
         if policy.snapshots:
-            snapshots = jax.vmap(lambda b: unpack(b, the_plan.deps))(slot.snapshot)
+            snapshots = jax.vmap(lambda b: unpack(b, self.plan.deps))(slot.snapshot)
             snapshots = [as_data(s) for s in snapshots]
         reusable = fresh(policy, slot.age, [as_data(d) for d in deps], snapshots)
         hit, index = lookup(slot, key, reusable)
         slot, sub = _jax_internals.varying_like((slot, sub), (deps, others, arg_arrays, key))
-        operands = (index, deps, others, arg_arrays, slot, sub, key)
-        if isinstance(hit, jax.core.Tracer):
-            slot, sub, index = lax.cond(hit, hit_branch, miss_branch, *operands)
+        operands = (nested, index, deps, others, arg_arrays, slot, sub, key)
+        if _jax_internals.is_batched(hit):  # a `select`: both branches would run
+            _ledger.record_uncached(self.method.qualname, _errors.BATCHED_PREDICATE)
+            slot, sub, index = self.miss(*operands)
+        elif isinstance(hit, jax.core.Tracer):
+            slot, sub, index = lax.cond(
+                hit,
+                lambda *o: self.hit(nested, *o),
+                lambda *o: self.miss(nested, *o),
+                *operands[1:],
+            )
         else:
-            slot, sub, index = (hit_branch if bool(hit) else miss_branch)(*operands)
-        return entry(slot, index, the_plan.spec), slot, sub
+            slot, sub, index = (self.hit if bool(hit) else self.miss)(*operands)
+        return entry(slot, index, spec), slot, sub
 
-    def tangent_rule(primals, tangents):
+    # The branches return the slot, never the value: on a hit the table passes through
+    # (no copy where its buffer is donated, as `memox.jit` does), and the value is read
+    # from the table after the branch, where XLA can fuse the read into its consumers.
+    def hit(self, nested, index, deps, others, arg_arrays, slot, sub, key):
+        return touched(slot, index), sub, index
+
+    def miss(self, nested, index, deps, others, arg_arrays, slot, sub, key):
+        value, sub = self.compute(nested, deps, others, arg_arrays, sub, caching=True)
+        slot, index = self.store(slot, value, deps, key)
+        return slot, sub, index
+
+    def compute(self, nested: Nested, deps, others, arg_arrays, sub, *, caching: bool):
+        """The method's value (nested cached methods filling the threaded slots `sub`
+        where `caching`), and `sub` after it."""
+        a, k = self.arg_parts.rebuild(arg_arrays)
+        arrays = self._merge(deps, others)
+        if caching and self.plan.nested:
+            states = dict(zip(nested.threaded, sub))
+            memo = [states.get(nested.owner + p, Memo()) for p in nested.memo_paths]
+            view = self.parts.rebuild(arrays, memo)
+            inner = _context.Frame(view, nested.owner, method=self.method.qualname)
+            with _context.active(inner):
+                value = self.method.fn(view, *a, **k)
+            return strong(value), [inner.store[p] for p in nested.threaded]
+        with _context.active(_context.Plain()):
+            value = self.method.fn(self.parts.rebuild(arrays), *a, **k)
+        return strong(value), sub
+
+    def store(self, slot: Memo, value: Any, deps: Sequence[Any], key: Any) -> tuple[Memo, Any]:
+        snapshot = pack(deps) if self.policy.snapshots else jnp.zeros((0,), jnp.uint8)
+        return stored(slot, value, self.plan.spec, key, snapshot)
+
+    def _merge(self, deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:
+        deps_, others_ = iter(deps), iter(others)
+        return [next(deps_) if i in self.used else next(others_) for i in range(self.n_arrays)]
+
+    # -- the tangent ----------------------------------------------------------------------
+
+    def tangent(self, nested: Nested, primals, tangents):
         deps, others, arg_arrays, slot, sub, key = primals
         dep_tangents, _, arg_tangents, _, _, _ = tangents
-        if all(map(_is_zero, [*dep_tangents, *arg_tangents])):
-            out = primal(*primals)
+        if all(map(_is_zero, [*dep_tangents, *arg_tangents])):  # a frozen part
+            out = self.primal(nested, *primals)
             return out, jtu.tree_map(SymbolicZero.from_primal_value, out)
 
         def value_of(deps, arg_arrays):
-            return compute(deps, others, arg_arrays, sub, caching=False)[0]
+            return self.compute(nested, deps, others, arg_arrays, sub, caching=False)[0]
 
         value, value_tangent = jax.jvp(
             value_of,
             (deps, arg_arrays),
             (_instantiate(dep_tangents, deps), _instantiate(arg_tangents, arg_arrays)),
         )
-        new_slot, _ = store(slot, value, deps, key)
+        new_slot, _ = self.store(slot, value, deps, key)
         zeros = jtu.tree_map(SymbolicZero.from_primal_value, (new_slot, sub))
-        return (retyped(value, the_plan.spec), new_slot, sub), (value_tangent, *zeros)
+        return (retyped(value, self.plan.spec), new_slot, sub), (value_tangent, *zeros)
 
-    memo = jax.custom_jvp(primal)
-    memo.defjvp(tangent_rule, symbolic_zeros=True)
-    key = combine([frame.fingerprint(x) for x in keyed], the_plan.salt)
-    value, new_slot, new_sub = memo(deps, others, arg_arrays, slot, sub, key)
-    if pins is not None:  # the first step of a `memox.scan`: what its loop will read
-        pins.filled(slot, new_slot, key, value)
-    frame.write(path, new_slot, method.qualname)
-    for p, s in zip(sub_paths, new_sub):
-        frame.write(p, s, method.qualname)
-    return value
+
+_MADE: dict[Plan, Memoised] = {}
 
 
 def _slot_paths(module: Any) -> list[Path]:

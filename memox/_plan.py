@@ -28,8 +28,21 @@ from ._storage import Spec, packed_size
 
 
 if TYPE_CHECKING:
-    from ._cached import CachedMethod
     from ._flops import FlopCount
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Method:
+    """What planning needs of a cached method (`CachedMethod.method` makes it): its
+    function, slot name, policy and qualified name, and the token the static key
+    takes of it (`_key.token` of the cached method: its importable name where it has
+    one). Planning never sees the cached method itself."""
+
+    fn: Any
+    slot: str
+    policy: Policy
+    qualname: str
+    token: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +115,20 @@ class Plan:
         return packed_size(self.deps) if policy.snapshots else 0
 
 
-_PLANS: dict[tuple[Any, StaticKey], Plan] = {}
+_PLANS: dict[tuple[Method, StaticKey], Plan] = {}
+_LATEST: dict[Method, Plan] = {}
 _MAX_PLANS = 4096
 _SUPPORTED = (jnp.bool_, jnp.integer, jnp.unsignedinteger, jnp.floating, jnp.complexfloating)
 
 
+def latest(method: Method) -> Plan | None:
+    """The plan `method` was last called with (for `memox.stats` of a method with
+    arguments, whose slot does not say which arguments it holds)."""
+    return _LATEST.get(method)
+
+
 def plan(
-    method: CachedMethod, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
+    method: Method, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
 ) -> Plan:
     """The plan of `method` on a module and arguments of these skeletons and arrays.
 
@@ -120,7 +140,7 @@ def plan(
     key = _static_key(method, module, arrays, args, arg_arrays)
     found = _PLANS.get((method, key))
     if found is not None:
-        method.latest_plan = found
+        _LATEST[method] = found
         return found
 
     def run(arrays: list[Any], arg_arrays: list[Any]) -> Any:
@@ -150,7 +170,7 @@ def plan(
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[(method, key)] = found
-    method.latest_plan = found
+    _LATEST[method] = found
     return found
 
 
@@ -158,7 +178,7 @@ _KEYS: dict[tuple[Any, ...], StaticKey] = {}
 
 
 def _static_key(
-    method: CachedMethod, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
+    method: Method, module: Parts, arrays: list[Any], args: Parts, arg_arrays: list[Any]
 ) -> StaticKey:
     """The static key of a call (`_key.py`), remembered per the same parts: the method by
     identity, the tree structures by `PyTreeDef.__eq__` together with the exact tokens
@@ -175,7 +195,7 @@ def _static_key(
         fast, found = None, None
     if found is None:
         found = static_key(
-            token(method),
+            method.token,
             policy,
             context,
             token(module.treedef),
@@ -214,14 +234,14 @@ def _supported(dtype: Any) -> bool:
     return any(jnp.issubdtype(dtype, t) for t in _SUPPORTED)
 
 
-def _count(method: CachedMethod, run: Any, structs: list[list[Any]]) -> FlopCount:
+def _count(method: Method, run: Any, structs: list[list[Any]]) -> FlopCount:
     from ._flops import count_jaxpr
 
     with _context.active(_context.Plain()):
         return count_jaxpr(jax.make_jaxpr(run)(*structs))
 
 
-def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
+def plan_without_arguments(method: Method, owner: Any) -> Plan:
     """The plan of `method(owner)` (no FLOPs spent)."""
     return plan(method, *Parts.split(owner), *Parts.split(((), {})))
 
@@ -230,9 +250,7 @@ def plan_without_arguments(method: CachedMethod, owner: Any) -> Plan:
 class Call:
     """One call of a cached method found in a frame, planned, its slot fitted."""
 
-    # (Of an `eqx.Module`: typed so, a checker reads the field as the method itself, not
-    # as bound to this object by the descriptor protocol: see `CachedMethod.__get__`.)
-    method: CachedMethod[eqx.Module, ..., Any]
+    method: Method
     frame: _context.Frame
     path: Path
     module: Any
@@ -246,7 +264,7 @@ class Call:
     @classmethod
     def prepare(
         cls,
-        method: CachedMethod,
+        method: Method,
         frame: _context.Frame,
         path: Path,
         module: Any,
@@ -263,9 +281,7 @@ class Call:
         )
 
 
-def fit(
-    method: CachedMethod, frame: _context.Frame, path: Path, slot: Memo, the_plan: Plan
-) -> Memo:
+def fit(method: Method, frame: _context.Frame, path: Path, slot: Memo, the_plan: Plan) -> Memo:
     """`slot` with room for the value of `the_plan`, allocated where the structure may
     change; an error where it may not (inside a loop body, or another cached method)."""
     snapshot_bytes = the_plan.snapshot_bytes(method.policy)

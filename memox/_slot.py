@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Int, PyTree, UInt8, UInt32
 
 from . import _errors
 from ._fingerprint import is_concrete_array
+from ._hoist import Hoisted as Hoisted
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -192,13 +193,6 @@ def is_memo_annotation(annotation: Any) -> bool:
     if isinstance(name, str):
         return is_memo_annotation(name)
     return annotation is Memo or typing.get_origin(annotation) is Memo
-
-
-class Hoisted(eqx.Module):
-    """A slot's value read ahead by `memox.hoist`, in place of the slot: the cached
-    method returns it as is, inside any transformation."""
-
-    value: Any
 
 
 # The leaves that hold entries (the rest are counters).
@@ -405,10 +399,13 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
         yield SlotSite(path, leaf, owner if path else None, field)
 
 
-def replace_slots(tree: PyTree, new: Mapping[Path, Memo | Hoisted]) -> PyTree:
+def replace_slots(
+    tree: PyTree, new: Mapping[Path, Memo | Hoisted], *, rebuild: bool = False
+) -> PyTree:
     """`tree` with the slots at the paths in `new` replaced (by slots, or by values read
-    ahead by `memox.hoist`)."""
-    if not new:
+    ahead by `memox.hoist`); with `rebuild`, a new tree (new node objects) even when
+    `new` is empty."""
+    if not new and not rebuild:
         return tree
     items, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)
     leaves = [new.get(path, leaf) for path, leaf in items]

@@ -326,3 +326,80 @@ def test_a_module_not_threaded_is_allocated_once(monkeypatch):
     for _ in range(4):
         out, _ = serve(f)
     assert len(allocations) == 1 and c.n == 5 and out == jnp.sum(f.a)
+
+
+@pytest.mark.parametrize("where", ["argument", "inside a module"])
+def test_donating_a_passed_through_output_deletes_what_eqx_filter_jit_would(where):
+    # Regression (issue 18): an output that is an input passed through is the caller's own
+    # array (no copy), where `eqx.filter_jit` returns a copy; a later donation of that
+    # output deleted the caller's original. memox's donation copies it first.
+    deleted = {}
+    for jit in (eqx.filter_jit, memox.filter_jit):
+        a, b = jnp.ones(3), jnp.ones(3)
+        if where == "argument":
+            through = jit(lambda a, b: (a, b + 1))
+        else:
+            through = jit(lambda a, b: ({"a": a}, b + 1))
+        donating = jit(lambda t: jax.tree.map(lambda x: 2 * x, t), donate="all")
+        out, _ = through(a, b)
+        doubled = donating(out)
+        np.testing.assert_array_equal(jax.tree.leaves(doubled)[0], 2 * a)
+        deleted[jit] = a.is_deleted()
+    assert deleted == {eqx.filter_jit: False, memox.filter_jit: False}
+
+
+def test_a_kept_model_survives_a_donating_step_after_a_passing_through_one():
+    c = Counter()
+    x = data()[0]
+    model = memox.init(frozen(c), Frozen.predict, x)
+    best = model
+
+    @memox.filter_jit
+    def predict(model, x):
+        return memox.call(model, Frozen.predict, x)
+
+    @memox.filter_jit(donate="all")
+    def shrink(model):
+        return eqx.tree_at(lambda m: m.v, model, model.v * 0.5)
+
+    _, model = predict(model, x)
+    assert model.w is best.w  # passed through: the caller's own array
+    model = shrink(model)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best))
+    with c.paused():
+        np.testing.assert_allclose(2 * model.predict(x), best.predict(x), rtol=1e-6)
+
+
+class Normalised(eqx.Module):
+    w: jax.Array
+    counter: Counter = eqx.field(static=True)
+    unit_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("unit_cache")
+    def unit(self):
+        self.counter.tick()
+        return self.w / jnp.linalg.norm(self.w)
+
+
+def test_partitioned_model_as_arguments_works_as_under_eqx_filter_jit():
+    # Regression: `memox.filter_jit` allocated the empty slots of the static half of an
+    # `eqx.partition` before the trace, computing the method on a module of `None`s.
+    runs = {}
+    for jit in (eqx.filter_jit, memox.filter_jit):
+        c, traces = Counter(), []
+        model = Normalised(jnp.arange(1.0, 4.0), c)
+        diff, static = eqx.partition(model, eqx.is_inexact_array)
+
+        @jit
+        def step(diff, static, x):
+            traces.append(1)
+            y, model = memox.call(eqx.combine(diff, static), lambda m: m.unit() * x)
+            return y, eqx.partition(model, eqx.is_inexact_array)
+
+        for _ in range(3):
+            y, (diff, static) = step(diff, static, jnp.float32(2))
+        jax.effects_barrier()
+        runs[jit] = (np.asarray(y), len(traces), c.n)
+    (y_eqx, *counts_eqx), (y_ours, *counts_ours) = runs.values()
+    np.testing.assert_array_equal(y_ours, y_eqx)
+    assert counts_ours == counts_eqx == [2, 1]  # the first fill retraces once: `memox.init`

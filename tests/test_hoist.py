@@ -78,6 +78,7 @@ def test_hoisted_values_are_read_once_per_solve_and_reused_across_solves(placeme
     assert memox.stats(model)["cache"].hits == 2
     moved = eqx.tree_at(lambda m: m.w, model, model.w * 1.1)
     _, moved = run(moved, Y0)
+    jax.effects_barrier()  # (the count is a `jax.debug.callback`: wait for it)
     assert counter.n == 2  # a parameter moved: computed again
 
 
@@ -241,3 +242,166 @@ def test_memox_call_inside_a_vector_field_on_a_fresh_module_warns():
         diffrax.diffeqsolve(diffrax.ODETerm(field), diffrax.Tsit5(), 0.0, 1.0, 0.1, Y0)
         jax.effects_barrier()
     assert counter.n > 10  # at every evaluation
+
+
+# -- gradients taken inside `fn`, with respect to the hoisted view ---------------------
+#
+# Regression (issue 18): a differentiation opened inside `fn` on the view (the whole view,
+# or only its parameters) reached the hoisted value as a constant read before it: the
+# gradient through the cached value was zero, with no warning. memox now treats the value
+# as the function of the view's arrays it is: where such a differentiation moves what the
+# method reads, the method is differentiated on the view (it computes at each read, as the
+# unmemoized code does), and the gradients are the unmemoized ones.
+
+
+def _loss(field, where):
+    if where == "eager":
+        return _read_loss(field)
+    if where == "filter_jit":
+        return eqx.filter_jit(_read_loss)(field)
+    return jnp.sum(_euler(field, Y0) ** 2)  # "loop": `eqx.filter_jit` + a solver loop
+
+
+def _read_loss(field):
+    return jnp.sum((field.weight() @ Y0) * jnp.arange(4.0))  # (the weight is orthogonal)
+
+
+W_DIR = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)), jnp.float32)
+
+
+def _with_w(field, w):
+    return eqx.tree_at(lambda f: f.w, field, w)
+
+
+# Each takes a loss and a field (the hoisted view, or a plain field) and returns the
+# derivative of the loss along `w`: a gradient (4, 4), or a directional derivative.
+DIFFERENTIATE = {
+    "jax.grad": lambda loss, f: jax.grad(loss)(f).w,
+    "eqx.filter_grad": lambda loss, f: eqx.filter_grad(loss)(f).w,
+    "jax.grad (parameters only)": lambda loss, f: jax.grad(lambda w: loss(_with_w(f, w)))(f.w),
+    "jax.vjp": lambda loss, f: jax.vjp(loss, f)[1](jnp.ones(()))[0].w,
+    "jax.jvp": lambda loss, f: jax.jvp(
+        loss, (f,), (_with_w(jax.tree.map(jnp.zeros_like, f), W_DIR),)
+    )[1],
+}
+
+
+def _unmemoized(how, where, model, counter):
+    """The derivative with `weight` computed at every read (no slot is reached)."""
+    plain = Field(model.w, counter)
+    if how in ("jax.grad", "jax.vjp", "jax.jvp"):  # (an empty slot is no JAX type)
+        if how == "jax.jvp":
+            return jax.jvp(lambda w: _loss(_with_w(plain, w), where), (plain.w,), (W_DIR,))[1]
+        how = "jax.grad (parameters only)"
+    return DIFFERENTIATE[how](lambda f: _loss(f, where), plain)
+
+
+@pytest.mark.parametrize("placement", ["call", "jit"])
+@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
+@pytest.mark.parametrize("how", list(DIFFERENTIATE))
+def test_gradients_inside_fn_with_respect_to_the_hoisted_view_are_exact(how, where, placement):
+    counter = Counter()
+    model = _model(counter)
+    want = _unmemoized(how, where, model, counter)
+    jax.effects_barrier()
+    unmemoized, counter.n = counter.n, 0  # the unmemoized derivative's computations
+
+    def fn(m):
+        return DIFFERENTIATE[how](lambda f: _loss(f, where), memox.hoist(m))
+
+    run = memox.jit(fn) if placement == "jit" else (lambda m: memox.call(m, fn))
+    for step in range(2):
+        before = counter.n
+        got, model = run(model)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        jax.effects_barrier()
+        # The hoist's one read (a miss, then a hit), and the method differentiated on the
+        # view as many times as the unmemoized derivative computes it.
+        assert counter.n - before == (1 if step == 0 else 0) + unmemoized
+    assert memox.stats(model)["cache"] == memox.SlotStats(hits=1, misses=1)
+
+
+@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
+def test_a_hoist_inside_the_differentiated_function_reads_once(where):
+    # Hoisted inside the gradient taken inside `fn`, the value is differentiated where it
+    # is read (the memoised read's rule): every later read is free, gradients exact.
+    counter = Counter()
+    model = _model(counter)
+    want = _unmemoized("eqx.filter_grad", where, model, counter)
+    jax.effects_barrier()
+    counter.n = 0
+
+    def fn(m):
+        return eqx.filter_grad(lambda m: _loss(memox.hoist(m), where))(m).w
+
+    got, model = memox.call(model, fn)
+    jax.effects_barrier()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert counter.n == 1
+
+
+@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
+def test_second_order_through_a_gradient_with_respect_to_the_view(where):
+    # An outer gradient (outside the call; the value carries its derivative) of a
+    # gradient taken inside `fn` with respect to the view (which differentiates the
+    # method on the view): a Hessian-vector product, equal to the unmemoized one.
+    counter = Counter()
+    model = _model(counter)
+
+    def inner(field):
+        return jax.grad(lambda w: _loss(_with_w(field, w), where))(field.w)
+
+    def memox_hvp(w):
+        g, _ = memox.call(_with_w(model, w), lambda m: inner(memox.hoist(m)))
+        return jnp.sum(g * W_DIR)
+
+    with counter.paused():
+        want = jax.grad(lambda w: jnp.sum(inner(Field(w, counter)) * W_DIR))(model.w)
+    got = jax.grad(memox_hvp)(model.w)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"])
+@pytest.mark.parametrize("hoisted", ["inside", "outside"])
+def test_diffrax_gradients_inside_fn_are_exact(adjoint, hoisted):
+    # A gradient taken inside `fn` through diffrax's adjoints: hoisted inside the
+    # differentiated function, the weight is computed once (the backward pass hands the
+    # value's cotangent back to where it was read); with respect to the hoisted view, the
+    # method is differentiated on the view where the backward pass reads it (at each
+    # evaluation, never more often than the unmemoized field computes it). Exact either
+    # way.
+    diffrax = pytest.importorskip("diffrax")
+    counter = Counter()
+
+    def loss(field):
+        return jnp.sum(
+            diffrax.diffeqsolve(
+                diffrax.ODETerm(field),
+                diffrax.Tsit5(),
+                0.0,
+                1.0,
+                0.25,
+                Y0,
+                saveat=diffrax.SaveAt(t1=True),
+                adjoint=getattr(diffrax, adjoint)(),
+            ).ys[-1]
+            ** 2
+        )
+
+    def fn(m):
+        if hoisted == "inside":
+            return eqx.filter_grad(lambda m: loss(memox.hoist(m)))(m).w
+        return eqx.filter_grad(loss)(memox.hoist(m)).w
+
+    # diffrax 0.7.2 trips JAX's leak checker (see above).
+    with jax.check_tracer_leaks(False):
+        want = eqx.filter_grad(loss)(Field(_model(counter).w, counter)).w
+        jax.effects_barrier()
+        unmemoized, counter.n = counter.n, 0
+        got, model = memox.call(_model(counter), fn)
+        jax.effects_barrier()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    if hoisted == "inside":
+        assert counter.n == 1
+    else:
+        assert 1 < counter.n <= 1 + unmemoized

@@ -52,7 +52,9 @@ def test_unchanged_leaves_are_the_callers_arrays():
     _, f1 = use_b(f)
     _, f2 = use_b(f1)
     assert f2.a is f.a  # the parameter never crossed the jit boundary
-    assert f2.b_cache.value is not f1.b_cache.value  # the slot did (hit counted)
+    assert memox.stats(f2)["b_cache"].hits == 1  # the slot did (hit counted)
+    # The module passed in was given the returned slot (its own was donated).
+    assert f1.b_cache.value is f2.b_cache.value and f1.b_cache.hits is f2.b_cache.hits
 
 
 class Two(eqx.Module):
@@ -71,7 +73,7 @@ class Two(eqx.Module):
         return self.a + 2
 
 
-def test_untouched_slots_pass_through_and_donated_slots_revive():
+def test_untouched_slots_pass_through_and_the_module_passed_in_stays_usable():
     c = Counter()
     m = Two(jnp.ones(3), c)
     _, m1 = memox.call(m, Two.two)
@@ -79,11 +81,11 @@ def test_untouched_slots_pass_through_and_donated_slots_revive():
     _, m2 = memox.jit(Two.one)(m1)
     assert m2.a is m1.a  # parameters never cross the boundary
     assert jnp.array_equal(m2.second.value, stored)  # an untouched slot keeps its value
-    # The slots of m1 were donated to m2; calling on m1 again recomputes, with a warning.
-    assert m1.second.value.is_deleted()
-    with pytest.warns(UserWarning, match=r"slots .* were donated to an earlier `memox.jit`"):
-        _, m3 = memox.jit(Two.one)(m1)
-    assert c.n == 2 and jnp.array_equal(m3.first.value, m2.first.value)
+    # The slots of m1 were donated to m2, and m1 was given m2's: calling on m1 again
+    # hits (its parameters are those the slot was filled for), without a warning.
+    assert not m1.second.value.is_deleted() and not m1.first.value.is_deleted()
+    _, m3 = memox.jit(Two.one)(m1)
+    assert c.n == 1 and jnp.array_equal(m3.first.value, m2.first.value)
 
 
 def test_without_donation_the_old_module_keeps_its_slots():
@@ -153,3 +155,124 @@ def test_unchanged_dependencies_are_fingerprinted_outside_once():
     for _ in range(3):
         y, f = step(f)
     assert c.n == 2 and y == jnp.sum(f.a)
+
+
+# -- nothing the caller holds loses its arrays (issue 18) --------------------------------
+
+
+def _usable(tree, tmp_path):
+    """Everything a user does with a module they kept works: serialise, fetch, compile."""
+    eqx.tree_serialise_leaves(tmp_path / "kept.eqx", tree)
+    jax.device_get(tree)
+    return eqx.filter_jit(lambda t: jax.tree.map(jnp.copy, eqx.filter(t, eqx.is_array)))(tree)
+
+
+def test_a_module_kept_across_steps_stays_usable(tmp_path):
+    # Regression: an early-stopping `best = model` lost its slot buffers to the next
+    # `memox.jit` step (donated): serialising, `jax.device_get` and `eqx.filter_jit` of
+    # it raised JAX's "Array has been deleted".
+    c = Counter()
+    step = memox.jit(lambda f, x: f.b() * x)
+    f = foo(c)
+    _, f = step(f, jnp.float32(1))
+    best = f
+    for i in range(3):
+        _, f = step(f, jnp.float32(i))
+        f = eqx.tree_at(lambda t: t.a, f, f.a + 1.0)  # the parameters move: recomputes
+    _usable(best, tmp_path)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best))
+    jax.effects_barrier()
+    assert c.n == 3  # one computation per parameter value
+    # Its slot is the one the step after it left: filled for its parameters, a hit.
+    b, best2 = memox.call(best, Foo.b)  # no warning (pytest: warnings are errors)
+    jax.effects_barrier()
+    assert b == jnp.sum(best.a) and best2.a is best.a and c.n == 3
+
+
+def test_the_module_passed_in_stays_usable_and_keeps_what_the_call_stored(tmp_path):
+    c = Counter()
+    step = memox.jit(Foo.b)
+    f = memox.init(foo(c))
+    b1, g = step(f)  # f, not threaded: it still works, and holds the value computed
+    b2, h = step(f)
+    assert c.n == 1 and b1 == b2 == jnp.sum(f.a)
+    _usable(f, tmp_path)
+    _usable(g, tmp_path)
+    _, h = step(h)
+    assert c.n == 1 and memox.stats(h)["b_cache"].hits == 2
+
+
+@pytest.mark.parametrize("holder", ["leaves", "tree_map", "the slot", "the value"])
+def test_arrays_held_elsewhere_are_not_donated(holder, tmp_path):
+    c = Counter()
+    step = memox.jit(Foo.b)
+    _, f = step(foo(c))
+    kept = {
+        "leaves": lambda: jax.tree.leaves(f),
+        "tree_map": lambda: jax.tree.map(lambda x: x, f),  # new nodes, the same arrays
+        "the slot": lambda: f.b_cache,
+        "the value": lambda: [f.b_cache.value],
+    }[holder]()
+    for _ in range(2):
+        _, f = step(f)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+    _usable(kept, tmp_path)
+    assert c.n == 1
+
+
+@jax.tree_util.register_pytree_node_class
+class Checked:
+    """A pytree node that checks its leaves: `memox.jit` cannot rebuild the module from
+    placeholders, and finds its slots node by node (the general path)."""
+
+    def __init__(self, x):
+        if not isinstance(x, jax.Array):
+            raise TypeError("an array, please")
+        self.x = x
+
+    def tree_flatten(self):
+        return (self.x,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+class Holder(eqx.Module):
+    extra: jax.Array | Checked
+    f: Foo
+
+
+@pytest.mark.parametrize("extra", ["array", "node that checks its leaves"])
+def test_a_hit_in_the_threaded_loop_copies_no_table(extra):
+    # The threaded loop donates the slot's buffers: the table stays where it is (a hit
+    # copies nothing), also after the one step that copies because an old module was kept.
+    c = Counter()
+    step = memox.jit(lambda h, x: h.f.b() * x)
+    h = Holder(jnp.ones(2) if extra == "array" else Checked(jnp.ones(2)), foo(c))
+    _, h = step(h, jnp.float32(1))
+    pointer = h.f.b_cache.value.unsafe_buffer_pointer()
+    for i in range(3):
+        _, h = step(h, jnp.float32(i))
+        assert h.f.b_cache.value.unsafe_buffer_pointer() == pointer
+    best = h  # kept: the next step leaves it readable (one copy), then donates again
+    _, h = step(h, jnp.float32(1))
+    _, h = step(h, jnp.float32(2))
+    pointer = h.f.b_cache.value.unsafe_buffer_pointer()
+    for i in range(3):
+        _, h = step(h, jnp.float32(i))
+        assert h.f.b_cache.value.unsafe_buffer_pointer() == pointer
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best)) and c.n == 1
+
+
+def test_slots_deleted_by_a_donation_elsewhere_recompute_with_a_hint():
+    # Only a donation the user asks for (`jax.jit`'s `donate_argnums`, a `donate=` option)
+    # deletes a slot's arrays; memox then recomputes and says why.
+    c = Counter()
+    _, f = memox.call(foo(c), Foo.b)
+    jax.jit(lambda s: s, donate_argnums=0)(f.b_cache)
+    with pytest.warns(
+        UserWarning, match=r"slots b_cache were deleted: donated by a call you asked"
+    ):
+        b, f = memox.jit(Foo.b)(f)
+    assert c.n == 2 and b == jnp.sum(f.a)

@@ -148,3 +148,87 @@ def test_fill_inside_jit_opened_inside_call_is_refused():
         ValueError, match=r"`Foo.b` updates slot `b_cache` with values that belong to a JAX"
     ):
         memox.call(f, lambda m: jax.jit(lambda: m.b())())
+
+
+# -- the ordinary Equinox + optax loop, every documented placement ----------------------
+
+
+class Spectral(eqx.Module):
+    """A graph Laplacian whose eigenbasis is cached, and a head."""
+
+    laplacian: jax.Array
+    head: jax.Array
+    counter: Counter = eqx.field(static=True)
+    eig_cache: memox.Memo[tuple[jax.Array, jax.Array]] = memox.Memo()
+
+    @memox.cached("eig_cache")
+    def basis(self):
+        self.counter.tick()
+        return jnp.linalg.eigh(self.laplacian)
+
+    def __call__(self, x):
+        _, vecs = self.basis()
+        return jnp.tanh(x @ vecs) @ self.head
+
+
+def _adam_loop(placement, trainable, steps=4):
+    """The ordinary loop: `opt_state` made from the model as constructed (slots never
+    allocated), a step taking and returning `(model, opt_state)`, `memox.call` inside
+    `eqx.filter_value_and_grad`'s loss. Returns the losses, the traces of the step and the
+    computations of the cached value."""
+    import optax
+
+    counter, traces = Counter(), []
+    a = jax.random.normal(jax.random.key(0), (6, 6))
+    model = Spectral(a @ a.T, jnp.ones(6) / 6, counter)
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    y = jnp.sin(jnp.arange(8.0))
+    if trainable == "head":  # the Laplacian frozen: computed once
+        spec = eqx.tree_at(lambda m: m.head, jax.tree.map(lambda _: False, model), True)
+    else:  # everything trains: computed at every step
+        spec = eqx.is_inexact_array
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(eqx.filter(model, spec))  # `Memo` mirrors with `None` leaves
+
+    def loss(diff, static):
+        model = eqx.combine(diff, static)
+        if placement == "unmemoized":
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2), model
+        pred, model = memox.call(model, lambda m: jax.vmap(m)(x))
+        return jnp.mean((pred - y) ** 2), model
+
+    def step(model, opt_state):
+        traces.append(None)
+        diff, static = eqx.partition(model, spec)
+        (value, model), grads = eqx.filter_value_and_grad(loss, has_aux=True)(diff, static)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, spec))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    if placement == "memox.filter_jit":
+        step = memox.filter_jit(step)
+    elif placement == "memox.jit":
+        compiled = memox.jit(step)
+        step = lambda model, opt_state: compiled(model, opt_state)[0]  # noqa: E731
+    else:  # `eqx.filter_jit` (and the unmemoized loop): `memox.init` first, the rule
+        model = memox.init(model)
+        step = eqx.filter_jit(step)
+    losses = []
+    for _ in range(steps):
+        model, opt_state, value = step(model, opt_state)
+        losses.append(value)
+    jax.effects_barrier()
+    return np.array(losses), len(traces), counter.n
+
+
+@pytest.mark.parametrize("trainable", ["head", "all"])
+@pytest.mark.parametrize("placement", ["memox.filter_jit", "memox.jit", "eqx.filter_jit"])
+def test_adam_loop_unallocated_model_first_try(placement, trainable):
+    # Regression (issue 21): `memox.filter_jit` allocated the `Memo` mirrors inside adam's
+    # `mu`/`nu` too (`jnp.linalg.eigh` of `None`; with everything trainable, a pytree
+    # structure error in `optax.update`).
+    with jax.numpy_dtype_promotion("standard"):  # adam mixes int32 counts and floats
+        expected, _, plain_runs = _adam_loop("unmemoized", trainable)
+        losses, traces, runs = _adam_loop(placement, trainable)
+    np.testing.assert_array_equal(losses, expected)
+    assert traces == 1
+    assert runs == (1 if trainable == "head" else plain_runs)

@@ -25,10 +25,11 @@ def _call(fn):
 def test_same_module_inner_result_discarded():
     # The inner call fills its own frame; its module is dropped, so the outer `m.b()`
     # finds the outer frame's slot empty and computes again: 2 computations, and the
-    # outer module records only its own miss.
+    # outer module records only its own miss. The dropped store is reported (ledger).
     c = Counter()
     f = memox.init(foo(c))
-    out, f = _call(lambda m: memox.call(m, Foo.b)[0] + m.b())(f)
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        out, f = _call(lambda m: memox.call(m, Foo.b)[0] + m.b())(f)
     assert out == 2 * np.asarray(f.a).sum()
     assert c.n == 2 and _counts(f) == {"b_cache": (0, 1)}
     _, f = _call(Foo.b)(f)  # the outer fill is the caller's
@@ -40,7 +41,8 @@ def test_same_module_outer_first():
     # frame's state: it computes again.
     c = Counter()
     f = memox.init(foo(c))
-    out, f = _call(lambda m: m.b() + memox.call(m, Foo.b)[0])(f)
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        out, f = _call(lambda m: m.b() + memox.call(m, Foo.b)[0])(f)
     assert out == 2 * np.asarray(f.a).sum()
     assert c.n == 2 and _counts(f) == {"b_cache": (0, 1)}
 
@@ -94,7 +96,8 @@ def test_submodule_inner_call_then_outer_nested_method():
         g, _ = memox.call(m.inner, Inner.gram)
         return g, m.chol()
 
-    (g, L), m = _call(fn)(m)
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        (g, L), m = _call(fn)(m)
     x = np.asarray(m.inner.x)
     np.testing.assert_allclose(g, x @ x.T, rtol=1e-6)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
@@ -115,7 +118,8 @@ def test_submodule_filled_by_inner_call_and_put_back():
         m = eqx.tree_at(lambda t: t.inner, m, inner)
         return m.chol()
 
-    L, m = _call(fn)(m)
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        L, m = _call(fn)(m)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
     assert (ci.n, co.n) == (2, 1)
     assert _counts(m) == {"inner.gram_cache": (0, 1), "chol_cache": (0, 1)}
@@ -125,7 +129,8 @@ def test_submodule_call_on_the_root_inside_a_call_on_the_root():
     # The inner call on the whole module fills both slots (nested methods fill once),
     # but its module is dropped: the outer module records nothing.
     m, ci, co = _outer()
-    L, m_out = _call(lambda m: memox.call(m, Outer.chol)[0])(m)
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        L, m_out = _call(lambda m: memox.call(m, Outer.chol)[0])(m)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
     assert (ci.n, co.n) == (1, 1)
     assert _counts(m_out) == {"inner.gram_cache": (0, 0), "chol_cache": (0, 0)}

@@ -1,0 +1,194 @@
+"""The accounting (memox/_ledger.py): every evaluation of a cached method inside memox
+ends as a hit, a store that reaches what the call returns, or an `UncachedWarning`
+(issue 18, items 7-10). Each test counts real executions and checks the warning."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Counter
+
+import memox
+from memox import Memo
+
+
+class Rot(eqx.Module):
+    w: jax.Array
+    counter: Counter = eqx.field(static=True)
+    c: Memo[jax.Array] = Memo()
+
+    @memox.cached("c")
+    def q(self):
+        self.counter.tick()
+        return jnp.tanh(self.w - self.w.T)
+
+    def __call__(self, t, y, args):  # a diffrax vector field
+        return self.q() @ y
+
+
+def _rot(counter):
+    return Rot(jnp.eye(3, dtype=jnp.float32) * 0.1 + jnp.arange(9.0).reshape(3, 3) / 50, counter)
+
+
+def _silent():
+    """No warning at all may escape (pyproject turns warnings into errors)."""
+    return warnings.catch_warnings()
+
+
+# -- stores that do not reach the caller -----------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", ["eager", "memox.jit", "jax.jit"])
+def test_a_call_in_a_while_loop_condition_is_reported(wrapper):
+    # Regression: a cached method read through `memox.call` in a `while_loop` condition
+    # ran at every test, 0 hits and 0 misses, no warning: a condition returns only its
+    # predicate, so what the nested call stores is dropped.
+    counter = Counter()
+
+    def loop(m):
+        def cond(c):
+            value, _ = memox.call(c[0], Rot.q)
+            return (jnp.sum(value) < 100.0) & (c[1] < 3)
+
+        def body(c):
+            return c[0], c[1] + 1
+
+        return jax.lax.while_loop(cond, body, (m, 0))[1]
+
+    model = memox.init(_rot(counter))
+    step = {
+        "eager": lambda m: memox.call(m, loop),
+        "memox.jit": memox.jit(loop),
+        "jax.jit": jax.jit(lambda m: memox.call(m, loop)),
+    }[wrapper]
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        n, _ = step(model)
+    jax.effects_barrier()
+    assert int(n) == 3 and counter.n == 4  # computed at every test: and said so
+
+
+@pytest.mark.parametrize("wrapper", ["memox.jit", "eqx.filter_jit"])
+def test_a_vector_field_reading_a_filled_slot_in_a_reused_solve_is_reported(wrapper):
+    # Regression: with the slot filled beforehand and diffrax's compiled solve reused
+    # from JAX's cache (no Python ran inside it), the field computed at every evaluation
+    # (601 per solve) without a word. The staged program holds the marker.
+    diffrax = pytest.importorskip("diffrax")
+    counter = Counter()
+    model = _rot(counter)
+    _, model = memox.call(model, Rot.q)
+
+    def solve(m, y0):
+        term = diffrax.ODETerm(m)
+        sol = diffrax.diffeqsolve(term, diffrax.Euler(), 0.0, 0.2, 0.05, y0)
+        return jnp.sum(sol.ys)
+
+    # Compile the solve once, warned, then again in a fresh wrapper: JAX reuses it.
+    # (diffrax 0.7.2 itself trips JAX's leak checker: a plain `diffeqsolve` does.)
+    with jax.check_tracer_leaks(False):
+        with pytest.warns(memox.UncachedWarning):
+            memox.call(model, solve, jnp.ones(3))
+        if wrapper == "memox.jit":
+            step = memox.jit(solve)
+        else:
+            step = eqx.filter_jit(lambda m, y: memox.call(m, solve, y))
+        with pytest.warns(memox.UncachedWarning, match="computes without its slot"):
+            step(model, jnp.ones(3))
+
+
+def test_a_returned_store_is_silent():
+    # The module as a loop's carry: every store reaches the caller; nothing to say.
+    counter = Counter()
+
+    def loop(m, xs):
+        def body(m, x):
+            value, m = memox.call(m, Rot.q)
+            return m, jnp.sum(value) * x
+
+        return jax.lax.scan(body, m, xs)
+
+    model = memox.init(_rot(counter))
+    with _silent():
+        warnings.simplefilter("error")
+        (model, ys), _ = memox.jit(loop)(model, jnp.arange(4.0))
+    jax.effects_barrier()
+    assert counter.n == 1 and ys.shape == (4,)
+
+
+# -- calls under a batched predicate ---------------------------------------------------
+
+
+def test_a_batched_predicate_counts_misses_and_says_so():
+    # Regression: `eqx.filter_vmap(memox.call)` over batched modules ran the method on
+    # every call (both `cond` branches) while `memox.stats` reported hits.
+    counter = Counter()
+    batch = eqx.filter_vmap(lambda w: memox.init(Rot(w, counter)))(
+        jnp.stack([jnp.eye(3), 2 * jnp.eye(3)])
+    )
+    call = eqx.filter_vmap(lambda m: memox.call(m, Rot.q))
+    for _ in range(2):
+        with pytest.warns(memox.UncachedWarning, match="batched"):
+            values, batch = call(batch)
+    expected = jax.vmap(lambda w: jnp.tanh(w - w.T))(batch.w)
+    np.testing.assert_allclose(np.asarray(values), np.asarray(expected), rtol=1e-6)
+    stats = memox.stats(batch)["c"]
+    assert np.all(np.asarray(stats.hits) == 0) and np.all(np.asarray(stats.misses) == 2)
+
+
+def test_an_unbatched_predicate_under_vmap_still_hits():
+    counter = Counter()
+    model = memox.init(_rot(counter))
+    _, model = memox.call(model, Rot.q)
+    with _silent():
+        warnings.simplefilter("error")
+        values, _ = jax.vmap(lambda x: memox.call(model, lambda m: m.q() @ x))(jnp.ones((4, 3)))
+    jax.effects_barrier()
+    assert counter.n == 1 and values.shape == (4, 3)
+
+
+# -- invalidate and clear inside fn ---------------------------------------------------
+
+
+class Held(eqx.Module):
+    w: jax.Array
+    counter: Counter = eqx.field(static=True)
+    c: Memo[jax.Array] = Memo()
+
+    @memox.cached("c", policy=memox.policies.Manual())
+    def q(self):
+        self.counter.tick()
+        return 2.0 * self.w
+
+
+PLACEMENTS = ["eager", "memox.jit", "jax.jit"]
+
+
+def _run(placement, module, fn):
+    if placement == "eager":
+        return memox.call(module, fn)
+    if placement == "memox.jit":
+        return memox.jit(fn)(module)
+    return jax.jit(lambda m: memox.call(m, fn))(module)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize(
+    "refresh", [lambda m: memox.invalidate(m, Held.q), memox.clear], ids=["invalidate", "clear"]
+)
+def test_invalidate_and_clear_inside_fn_take_effect(placement, refresh):
+    # Regression: inside `fn` they were ignored; with `Manual` the old value came back.
+    counter = Counter()
+    module = memox.init(Held(jnp.ones(2), counter))
+    _, module = _run(placement, module, Held.q)
+    moved = eqx.tree_at(lambda m: m.w, module, 3 * jnp.ones(2))  # Manual: still a hit
+    value, moved = _run(placement, moved, Held.q)
+    jax.effects_barrier()
+    assert counter.n == 1 and np.allclose(value, 2.0)
+    value, moved = _run(placement, moved, lambda m: refresh(m).q())
+    jax.effects_barrier()
+    assert counter.n == 2 and np.allclose(value, 6.0)
+    value, moved = _run(placement, moved, Held.q)  # the refreshed value reached the caller
+    jax.effects_barrier()
+    assert counter.n == 2 and np.allclose(value, 6.0)
