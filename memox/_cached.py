@@ -15,12 +15,13 @@ import inspect
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 import equinox as eqx
 
-from . import _context, _errors, _ledger
+from . import _context, _errors, _ledger, _prehash
 from ._key import token
 from ._memo import memoised
 from ._plan import Call, Method, latest
@@ -122,6 +123,11 @@ class CachedMethod(Generic[Owner, P, R]):
                 frame.write(path, call.slot, self.qualname)
                 return self.fn(module, *args, **kwargs)
             return memoised(call)
+        else:
+            api = _wrapper()
+            if api is not None:  # under a memox wrapper, but no `memox.call`: say so
+                message = _errors.NO_CALL.format(method=self.qualname, api=api)
+                warnings.warn(message, _errors.UncachedWarning, stacklevel=2)
         return self.fn(module, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -187,6 +193,15 @@ def cached(
     if method is None:
         return lambda fn: CachedMethod(fn, slot, policy)
     return CachedMethod(method, slot, policy)
+
+
+def _wrapper() -> str | None:
+    """The memox wrapper being traced right now outside any `memox.call`, if any."""
+    if _context.pins() is not None:
+        return "memox.scan"
+    if _prehash.tracing():
+        return "memox.filter_jit"
+    return None
 
 
 def _check_owner(owner: type, name: str, slot: str) -> None:

@@ -192,3 +192,14 @@ def test_invalidate_and_clear_inside_fn_take_effect(placement, refresh):
     value, moved = _run(placement, moved, Held.q)  # the refreshed value reached the caller
     jax.effects_barrier()
     assert counter.n == 2 and np.allclose(value, 6.0)
+
+
+# -- a cached method under a memox wrapper but outside memox.call -----------------------
+
+
+def test_a_method_in_memox_filter_jit_without_memox_call_warns():
+    counter = Counter()
+    model = memox.init(_rot(counter))
+    step = memox.filter_jit(lambda m: jnp.sum(m.q()))
+    with pytest.warns(memox.UncachedWarning, match="outside `memox.call`"):
+        step(model)
