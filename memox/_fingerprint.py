@@ -8,7 +8,9 @@ dependencies' bytes per check.
 The dynamic part (array dependencies and array arguments) is hashed in-graph, array by
 array. Word `w_i` of an array's bit pattern (32 bits; narrower elements widened, one per
 word) is keyed by its position, mixed, and summed into two lanes; the arrays'
-fingerprints are then chained:
+fingerprints are then chained. The bit pattern is every element's bits as
+`_storage.Bits` holds them: one rule from the dtype's bit width, so every dtype JAX has
+(sub-byte ones included) gives the same words on the device and in NumPy:
 
     k_i   = i * K                                   (K odd: the position key)
     m_i   = mix(w_i + k_i)
@@ -75,7 +77,7 @@ import numpy.typing as npt
 from jax import lax
 from jaxtyping import Array, UInt32
 
-from ._storage import as_data
+from ._storage import Bits, as_data, to_bits
 
 
 if TYPE_CHECKING:
@@ -138,18 +140,14 @@ def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
 
 
 def words(x: Array) -> UInt32[Array, "*words"]:
-    """The bit pattern of `x` as 32-bit words, in row-major order (a typed PRNG key's:
-    its `key_data`'s; elements narrower than 32 bits widened, one per word; wider ones
-    and complex numbers split along a new last axis)."""
-    x = as_data(jnp.asarray(x))
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = np.dtype(x.dtype).itemsize
-    if size >= 4:
-        return lax.bitcast_convert_type(x, jnp.uint32)
-    return lax.bitcast_convert_type(x, np.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+    """The bit pattern of `x` as 32-bit words, in row-major order: each element's bits
+    as `_storage.to_bits` holds them (every dtype, sub-byte ones included; a typed PRNG
+    key's `key_data`; a complex number's parts along a new last axis), narrower ones
+    widened, one per word, wider ones split along a new last axis."""
+    u = to_bits(as_data(jnp.asarray(x)))
+    if u.dtype.itemsize < 4:
+        return u.astype(jnp.uint32)
+    return lax.bitcast_convert_type(u, jnp.uint32) if u.dtype != jnp.uint32 else u
 
 
 @jax.jit
@@ -176,12 +174,10 @@ def _host_words(x: npt.NDArray[np.generic]) -> np.ndarray:
     """`words`, in NumPy (the same bits in the same order)."""
     if np.iscomplexobj(x):
         x = np.stack([x.real, x.imag], axis=-1)
-    if x.dtype == np.bool_:
-        return x.astype(np.uint32).reshape(-1)
-    size = x.dtype.itemsize
-    if size >= 4:
-        return np.ascontiguousarray(x).view(np.uint32).reshape(-1)
-    return np.ascontiguousarray(x).view(f"uint{8 * size}").astype(np.uint32).reshape(-1)
+    u = Bits.of(x.dtype).host_bits(x)
+    if u.dtype.itemsize < 4:
+        u = u.astype(np.uint32)
+    return np.ascontiguousarray(u).view(np.uint32).reshape(-1)
 
 
 def host_fingerprint(x: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,29 +38,53 @@ from jax import lax
 from ._fingerprint import array_fingerprint, is_concrete_array, known
 
 
+class _Valid(NamedTuple):
+    """A table with every row valid, and what it was computed for: published by one
+    assignment, never changed (so a thread reads all of it or none)."""
+
+    dependencies: frozenset[int]  # the positions it has rows for
+    n: int  # the number of input arrays
+    rows: tuple[tuple[int, weakref.ref], ...]  # position -> the array its row is for
+    table: Any  # on the device
+
+
 class Inputs:
     """What a compiled wrapper knows about its input arrays, across calls (outside any
     trace): which positions cached methods fingerprinted, and the object last seen at
-    each of them."""
+    each of them.
+
+    **Threads.** One wrapper may be called by several threads at once. Every row a table
+    marks valid is the fingerprint of the very object the row was checked against, by
+    construction: a table is built from local references only (each array checked is
+    the one whose fingerprint fills its row), and the reusable table (`_valid`) is an
+    immutable snapshot of the references it was checked against, replaced whole. The
+    shared `_last` (which object was seen where) only decides which rows are worth
+    filling: a thread that reads another's entry there fills fewer rows, never a wrong
+    one. `dependencies` is a frozenset, replaced whole under a lock (a trace may learn
+    while another thread iterates over it). No lock on a call's path."""
 
     def __init__(self) -> None:
-        self.dependencies: set[int] = set()
+        self.dependencies: frozenset[int] = frozenset()
         self._last: dict[int, weakref.ref] = {}
-        self._new = False  # dependencies learned by the last trace, not yet registered
-        # The last table with every row valid, on the device, and the arrays it is for:
-        # a call on the same arrays reuses it (no host work, no transfer).
-        self._valid: tuple[int, list[tuple[int, weakref.ref]], Any] | None = None
+        self._new = False  # dependencies learned by a trace, not yet registered
+        # The last table with every row valid, on the device: a call on the same arrays
+        # reuses it (no host work, no transfer).
+        self._valid: _Valid | None = None
+        self._lock = threading.Lock()  # around `learned`'s read-modify-write
 
     def table(self, arrays: Sequence[Any]) -> Any:
         """The table for a call on `arrays` (`uint32`, `(len(arrays), 3)`: the
         fingerprint, then 1 where valid). Registers the arrays seen."""
+        dependencies = self.dependencies  # one snapshot for this call
         valid = self._valid
-        if valid is not None and valid[0] == len(arrays):
-            if all(ref() is arrays[i] for i, ref in valid[1]):
-                return valid[2]
+        if valid is not None:
+            for_dependencies, n, checked, ready = valid  # unpacked: every call's fast path
+            if for_dependencies is dependencies and n == len(arrays):
+                if all(ref() is arrays[i] for i, ref in checked):
+                    return ready
         table = np.zeros((len(arrays), 3), np.uint32)
-        last, complete = self._last, True
-        for i in self.dependencies:
+        last, rows = self._last, []
+        for i in dependencies:
             if i >= len(arrays):
                 continue
             x = arrays[i]
@@ -68,23 +92,23 @@ class Inputs:
             if seen is not None and seen() is x and not x.is_deleted():
                 table[i, :2] = known.host(x)
                 table[i, 2] = 1
-            else:
-                complete = False
-                if is_concrete_array(x):
-                    last[i] = weakref.ref(x)
-        if complete and self.dependencies:
-            rows = [(i, last[i]) for i in sorted(self.dependencies) if i < len(arrays)]
+                rows.append((i, seen))  # the reference checked, not `last[i]` again
+            elif is_concrete_array(x):
+                last[i] = weakref.ref(x)
+        if rows and len(rows) == sum(i < len(arrays) for i in dependencies):
             with jax.ensure_compile_time_eval():  # a concrete array, even under a trace
-                self._valid = (len(arrays), rows, jax.device_put(table))
-            return self._valid[2]
+                valid = _Valid(dependencies, len(arrays), tuple(rows), jax.device_put(table))
+            self._valid = valid
+            return valid.table
         return table
 
     def learned(self, used: set[int]) -> None:
         """Called inside a trace: the positions its checks fingerprinted."""
-        if not used <= self.dependencies:
-            self.dependencies |= used
+        if used <= self.dependencies:
+            return
+        with self._lock:
+            self.dependencies = self.dependencies | used
             self._new = True
-            self._valid = None
 
     def register(self, arrays: Sequence[Any]) -> None:
         """After a call: dependencies learned by its trace start being tracked now, so
@@ -163,3 +187,8 @@ def lookup(x: Any) -> Any | None:
         if found is not None:
             return found
     return None
+
+
+def tracing() -> bool:
+    """Whether a compiled wrapper (`memox.jit`, `memox.filter_jit`) is being traced."""
+    return bool(_scopes())

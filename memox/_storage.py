@@ -1,16 +1,34 @@
 """How a cached value is stored: as bits, in one array that is never inexact.
 
-A single array keeps its shape (floats bit-cast to unsigned integers of the same width,
+A single array keeps its shape (its elements as unsigned integers holding their bits,
 complex numbers as pairs of those), so its sharding carries over. Anything else (a
 tuple, a dict, several arrays) is packed into one byte vector. A typed PRNG key is
 stored as its `key_data`. `Spec` records what a cached method returns; it is known to
 the method's plan, never stored in the slot, and gives a read value back its type
 (weak type, key, `Explicit` sharding).
+
+**Bits, for every dtype (`Bits`).** One rule, from the dtype's bit width `b`
+(`jax.dtypes.itemsize_bits`), says how an element is seen as an unsigned integer, here
+and by the fingerprint (`_fingerprint.words`), on the device and in NumPy alike:
+
+- an element of `b` bits is bit-cast to JAX's unsigned integer of `b` bits (`uint4`
+  for `int4` and `float4_e2m1fn`, `uint8` for the float8 family, ...) and held,
+  zero-extended, in the unsigned integer of its storage size (`itemsize` bytes, as in
+  NumPy: one byte for a sub-byte element). In NumPy the storage is viewed directly and
+  masked to `b` bits (NumPy keeps a sub-byte element in the low bits of its byte);
+- `bool` by value (0 or 1): XLA does not bit-cast it;
+- a dtype of a width JAX has no unsigned integer for (`float6_*`) by value, converted
+  to the 32-bit type of its kind and bit-cast: exact, and injective, which `Bits.of`
+  checks on all `2**b` bit patterns (every one finite, and all distinct) before using
+  it; a dtype that fails the check is refused.
+
+No list of dtype names: a new dtype is covered by its width.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -21,6 +39,7 @@ from jax import lax
 from jaxtyping import Array, PyTree
 
 from . import _jax_internals
+from ._errors import NO_BITS
 from ._key import explicit_sharding
 
 
@@ -110,6 +129,61 @@ def retyped(value: PyTree[Array], spec: Spec) -> PyTree[Array]:
     return jtu.tree_unflatten(spec.treedef, out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bits:
+    """How the elements of a real dtype are held as unsigned integers, exactly (see the
+    module docstring): `to_bits` and `from_bits` on the device, `host_bits` in NumPy."""
+
+    dtype: np.dtype
+    unsigned: np.dtype  # what holds an element's bits (its storage size: >= 1 byte)
+    inner: np.dtype  # what an element is first made: `uint{b}`, or a value's type
+    by_value: bool  # converted to `inner` by value (bool; no `uint{b}`), not bit-cast
+    mask: int = 0  # sub-byte (nonzero): the element's bits within the byte holding it
+
+    @staticmethod
+    @functools.cache
+    def of(dtype: Any) -> Bits:
+        dtype = np.dtype(dtype)
+        if dtype == np.bool_:
+            return Bits(dtype, np.dtype(np.uint8), np.dtype(np.uint8), True)
+        b, storage = jax.dtypes.itemsize_bits(dtype), np.dtype(f"uint{8 * dtype.itemsize}")
+        same = getattr(jnp, f"uint{b}", None)
+        if same is not None:
+            mask = (1 << b) - 1 if b < 8 * storage.itemsize else 0
+            return Bits(dtype, storage, np.dtype(same), False, mask)
+        via = np.dtype(np.float32 if jnp.issubdtype(dtype, jnp.floating) else np.int32)
+        if b <= 16:  # check the conversion on every bit pattern
+            values = np.arange(2**b, dtype=storage).view(dtype).astype(via)
+            if np.isfinite(values).all() and len(np.unique(values.view(np.uint32))) == 2**b:
+                return Bits(dtype, np.dtype(np.uint32), via, True)
+        raise TypeError(NO_BITS.format(dtype=dtype.name, bits=b))
+
+    def to_bits(self, x: Array) -> Array:
+        if self.by_value:
+            x = x.astype(self.inner)
+        elif x.dtype != self.inner:
+            x = lax.bitcast_convert_type(x, self.inner)
+        if x.dtype == self.unsigned:
+            return x
+        return x.astype(self.unsigned) if self.mask else lax.bitcast_convert_type(x, self.unsigned)
+
+    def from_bits(self, u: Array) -> Array:
+        if self.mask:
+            u = u.astype(self.inner)
+        elif u.dtype != self.inner:
+            u = lax.bitcast_convert_type(u, self.inner)
+        if self.by_value:
+            return u.astype(self.dtype)
+        return lax.bitcast_convert_type(u, self.dtype) if u.dtype != self.dtype else u
+
+    def host_bits(self, x: np.ndarray) -> np.ndarray:
+        """`to_bits`, in NumPy: the same bits."""
+        if self.by_value:
+            return np.asarray(x).astype(self.inner).view(self.unsigned)
+        u = np.ascontiguousarray(x).view(self.unsigned)
+        return u & self.unsigned.type(self.mask) if self.mask else u
+
+
 def _float_view(dtype: np.dtype) -> np.dtype:
     """The real dtype a value is seen as before it is stored (complex: its parts)."""
     return (
@@ -129,31 +203,34 @@ def _from_real(x: Array, dtype: np.dtype) -> Array:
     return x
 
 
-def _bits_dtype(dtype: np.dtype) -> np.dtype:
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
-    return np.dtype(dtype)
-
-
 def _to_bytes(x: Array) -> Array:
-    x = _as_real(x)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8).reshape(-1)
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+    u = to_bits(x)
+    if u.dtype != np.uint8:
+        u = lax.bitcast_convert_type(u, jnp.uint8)
+    return u.reshape(-1)
 
 
 def _from_bytes(b: Array, shape: tuple[int, ...], dtype: np.dtype) -> Array:
     real = _float_view(dtype)
     shape = (*shape, 2) if real != dtype else shape
-    if dtype == np.bool_:
-        return b.reshape(shape).astype(jnp.bool_)
-    if real.itemsize > 1:
-        shape = (*shape, real.itemsize)
-    return _from_real(lax.bitcast_convert_type(b.reshape(shape), real), dtype)
+    bits = Bits.of(real)
+    if bits.unsigned.itemsize > 1:
+        shape = (*shape, bits.unsigned.itemsize)
+    u = b.reshape(shape)
+    u = lax.bitcast_convert_type(u, bits.unsigned) if u.dtype != bits.unsigned else u
+    return _from_real(bits.from_bits(u), dtype)
+
+
+def to_bits(x: Array) -> Array:
+    """The bits of `x` (a complex number's parts along a new last axis), as unsigned
+    integers (`Bits`)."""
+    x = _as_real(x)
+    return Bits.of(x.dtype).to_bits(x)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    shape, unsigned = _stored(shape, dtype)
+    return int(np.prod(shape, dtype=np.int64)) * unsigned.itemsize
 
 
 def pack(value: PyTree[Array]) -> Array:
@@ -183,9 +260,7 @@ def encode(value: PyTree[Array], spec: Spec) -> Array:
     """`value` as one array that is never inexact (see the module docstring)."""
     if spec.packed:
         return pack(value)
-    x = _as_real(as_data(jtu.tree_leaves(value)[0]))
-    bits = _bits_dtype(x.dtype)
-    return lax.bitcast_convert_type(x, bits) if x.dtype != bits else x
+    return to_bits(as_data(jtu.tree_leaves(value)[0]))
 
 
 def decode(stored: Array, spec: Spec) -> PyTree[Array]:
@@ -193,12 +268,16 @@ def decode(stored: Array, spec: Spec) -> PyTree[Array]:
         return unpack(stored, spec)
     ((_, dtype),) = spec.leaves
     dtype = np.dtype(dtype)
-    real = _float_view(dtype)
-    x = lax.bitcast_convert_type(stored, real) if stored.dtype != real else stored
-    x = _from_real(x, dtype)
+    x = _from_real(Bits.of(_float_view(dtype)).from_bits(stored), dtype)
     if spec.types:
         x = _retyped(x, spec.types[0])
     return jtu.tree_unflatten(spec.treedef, [x])
+
+
+def _stored(shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of `to_bits` of an array of `shape` and `dtype`."""
+    real = _float_view(dtype)
+    return ((*shape, 2) if real != dtype else shape), Bits.of(real).unsigned
 
 
 def storage_struct(spec: Spec) -> tuple[tuple[int, ...], np.dtype]:
@@ -206,6 +285,4 @@ def storage_struct(spec: Spec) -> tuple[tuple[int, ...], np.dtype]:
     if spec.packed:
         return (packed_size(spec),), np.dtype(np.uint8)
     ((shape, d),) = spec.leaves
-    dtype = np.dtype(d)
-    real = _float_view(dtype)
-    return ((*shape, 2) if real != dtype else shape), _bits_dtype(real)
+    return _stored(shape, np.dtype(d))

@@ -198,3 +198,25 @@ def test_the_device_hash_is_one_fused_pass():
     entry = hlo[hlo.index("ENTRY") :]
     assert "[64,1027]" not in entry.split("parameter(0)", 1)[1]
     assert "(u32[64]{0}, u32[64]{0}) fusion(" in entry
+
+
+@pytest.mark.parametrize("dtype", ["int2", "uint2", "int4", "uint4", "float4_e2m1fn"])
+@pytest.mark.parametrize("shape", [(), (3,), (2, 5), (4, 8)])
+def test_sub_byte_values_round_trip_alone_and_packed(dtype, shape):
+    # Regression (issue 18): a sub-byte value was bit-cast to `uint8` (two to four
+    # elements per byte, or an error). Each element is now held in a byte of its own,
+    # alone and packed, and the array keeps its shape.
+    dtype = jnp.dtype(dtype)
+    bits = jax.dtypes.itemsize_bits(dtype)
+    rng = np.random.default_rng(len(shape))
+    x = jnp.asarray(rng.integers(0, 2**bits, shape, dtype=np.uint8).view(dtype))
+    for value in (x, (x, jnp.arange(3, dtype=jnp.int32))):
+        spec = Spec.of(value)
+        stored = encode(value, spec)
+        assert (stored.shape, stored.dtype) == storage_struct(spec)
+        for u, v in zip(jax.tree.leaves(decode(stored, spec)), jax.tree.leaves(value)):
+            assert u.dtype == v.dtype
+            np.testing.assert_array_equal(
+                np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8)
+            )
+    assert encode(x, Spec.of(x)).shape == shape

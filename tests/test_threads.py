@@ -1,6 +1,8 @@
-"""Two threads calling `memox.call` on different modules at the same time never see each
-other's slots: each call's frame is on its own thread's stack."""
+"""Threads calling `memox.call` on different modules at the same time never see each
+other's slots: each call's frame is on its own thread's stack. Threads sharing one
+compiled wrapper (`memox.jit`, `memox.filter_jit`) never get each other's fingerprints."""
 
+import sys
 import threading
 
 import equinox as eqx
@@ -105,3 +107,67 @@ def test_concurrent_first_traces_of_one_method():
         assert counters[i].n == 1
         stats = memox.stats(finals[i])["cache"]
         assert (stats.hits, stats.misses) == (4, 1)
+
+
+# Shared compiled wrappers. Their `_prehash.Inputs` (which input arrays were seen at the
+# previous call, and the last table of fingerprints computed outside) is shared by every
+# thread calling them.
+
+THREADS = 4
+CALLS = 150
+_SHAPE = (256, 257)  # float32: above `memox.filter_jit`'s prehash threshold
+
+
+class Feature(eqx.Module):
+    w: jax.Array  # each thread's own
+    frozen: tuple[jax.Array, ...]  # the same array objects in every thread's module
+    cache: Memo[jax.Array] = Memo(size=THREADS)
+
+    @memox.cached("cache")
+    def feature(self):
+        return plain_feature(self)
+
+
+def plain_feature(m):
+    """`Feature.feature`, unmemoized."""
+    return sum((jnp.tanh(a).sum(axis=1) for a in m.frozen), jnp.tanh(m.w).sum(axis=1))
+
+
+@pytest.mark.parametrize("wrapper", ["jit", "filter_jit"])
+def test_shared_wrapper_never_gives_one_thread_anothers_fingerprint(wrapper):
+    # Regression (issue 18): a race in `_prehash.Inputs.table` let the table of
+    # fingerprints computed for one thread's arrays be kept for another's: 3-5% of the
+    # results were another thread's cached value. The slot holds every thread's value
+    # (one entry each), so a fingerprint of the wrong array is a hit on a wrong value.
+    if wrapper == "jit":
+        step = memox.jit(lambda m, x: m.feature() @ x, donate=False)
+    else:
+        step = memox.filter_jit(lambda m, x: memox.call(m, lambda m: m.feature() @ x))
+    rng = np.random.default_rng(0)
+    normal = lambda: jnp.asarray(rng.normal(size=_SHAPE), jnp.float32)  # noqa: E731
+    frozen = tuple(normal() for _ in range(3))
+    ws = [normal() for _ in range(THREADS)]
+    x = jnp.asarray(rng.normal(size=(_SHAPE[0],)), jnp.float32)
+    model = Feature(ws[0], frozen)
+    expected = []
+    for w in ws:  # fill one entry per thread; the unmemoized value
+        model = eqx.tree_at(lambda m: m.w, model, w)
+        expected.append(np.asarray(plain_feature(model) @ x))
+        out, model = step(model, x)
+        np.testing.assert_allclose(np.asarray(out), expected[-1], rtol=1e-5)
+    models = [eqx.tree_at(lambda m: m.w, model, w) for w in ws]
+    wrong = [0] * THREADS
+
+    def work(i, barrier):
+        barrier.wait()
+        for _ in range(CALLS):
+            out, _ = step(models[i], x)
+            wrong[i] += not np.allclose(np.asarray(out), expected[i], rtol=1e-5)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: adversarial
+    try:
+        _run_threads(work, n=THREADS)
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == [0] * THREADS
