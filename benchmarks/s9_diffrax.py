@@ -23,7 +23,13 @@ Variants:
 - memox reuse, refresh on failure only: `max_age` and `gamma_drift` out of reach, so
   that a factorisation is replaced only when the Newton iteration fails with it: the
   fewest factorisations a refresh policy can reach with diffrax's step sizes;
-- scipy BDF: `solve_ivp(method="BDF")` with the Jacobian from a jitted `jax.jacfwd`.
+- scipy BDF: `solve_ivp(method="BDF")` with the Jacobian from a jitted `jax.jacfwd`
+  (dense, like diffrax's);
+- scipy BDF, jac_sparsity (the large system only): `solve_ivp(method="BDF")` given the
+  Jacobian's sparsity pattern instead (`jac_sparsity`, what a scipy user passes for a
+  discretised PDE): scipy then estimates the Jacobian by grouped finite differences
+  (a few RHS evaluations) and factorises it with a sparse LU (SuperLU). diffrax (lineax)
+  has no sparse LU, so neither diffrax variant nor the memox wrapper can do the same.
 
 Counts are real executions, from programs where the vector field and the linear
 solver's `init` (which evaluates the Jacobian and factorises) call `jax.debug.callback`.
@@ -75,13 +81,17 @@ SIZES = {
     # CI's smoke run: the large system at a small size, no classics.
     "quick": dict(classics=(), rounds=1, n=10, t1=0.1, rounds_large=1),
 }
-DEFAULT, FIXED, REUSE, ON_FAILURE, SCIPY = (
+DEFAULT, FIXED, REUSE, ON_FAILURE, SCIPY, SCIPY_SPARSE = (
     "diffrax default",
     "diffrax, fixed chord",
     "memox reuse",
     "memox reuse, refresh on failure only",
     "scipy BDF",
+    "scipy BDF, jac_sparsity",
 )
+
+
+VARIANTS = (DEFAULT, FIXED, REUSE, ON_FAILURE, SCIPY)  # every problem; SCIPY_SPARSE: the large one
 
 
 def _tick(name: str) -> None:
@@ -143,10 +153,16 @@ def diffrax_variant(vf, t1, y0, rtol, atol, traces: TraceCounter, problem: str, 
     return run
 
 
-def scipy_variant(vf, t1, y0, rtol, atol):
+def scipy_variant(vf, t1, y0, rtol, atol, sparsity=None):
+    """scipy's BDF given the dense Jacobian of a jitted `jax.jacfwd`, or, with
+    `sparsity` (a scipy sparse matrix), given only the Jacobian's sparsity pattern."""
     f = jax.jit(lambda t, y: vf(t, y, None))
     jac = jax.jit(lambda t, y: jax.jacfwd(lambda y: vf(t, y, None))(y))
     f(0.0, jnp.asarray(y0)), jac(0.0, jnp.asarray(y0))  # compile outside the timings
+    if sparsity is None:
+        jacobian = dict(jac=lambda t, y: np.asarray(jac(t, y)))
+    else:  # finite differences grouped by the pattern, sparse LU (SuperLU)
+        jacobian = dict(jac_sparsity=sparsity)
 
     def run(counting: bool, compile_only: bool = False):
         if compile_only:
@@ -158,25 +174,39 @@ def scipy_variant(vf, t1, y0, rtol, atol):
             method="BDF",
             rtol=rtol,
             atol=atol,
-            jac=lambda t, y: np.asarray(jac(t, y)),
+            **jacobian,
         )
 
     return run
 
 
-def compare(problem, vf, t1, y0, rtol, atol, ref, rounds, traces, count_in_timed, once=()) -> list:
+def sparsity_pattern(vf, y0):
+    """The Jacobian's structural nonzeros: those of `jax.jacfwd` at a random state (no
+    entry of the Brusselator's Jacobian vanishes there by accident)."""
+    y = np.random.default_rng(0).uniform(0.5, 2.0, np.shape(y0))
+    jac = np.asarray(jax.jit(jax.jacfwd(lambda y: vf(1.2, y, None)))(jnp.asarray(y)))
+    return scipy.sparse.csc_matrix(jac != 0)
+
+
+def compare(
+    problem, vf, t1, y0, rtol, atol, ref, rounds, traces, count_in_timed, once=(), sparsity=None
+) -> list:
     """Table rows: counts and interleaved timed runs of each variant (compiled ahead).
 
     Counts come from a run of a program with counting callbacks. A callback costs ~10 us
     to ~1 ms on this machine, so the classics time a program without them
     (`count_in_timed=False`: one extra counting run); the large system, where a step
     takes seconds and ~20 callbacks (< 1%), times the counting program itself. Variants
-    in `once` are timed by a single run, before the others' interleaved rounds."""
+    in `once` are timed by a single run, before the others' interleaved rounds. With
+    `sparsity`, scipy's BDF also runs given that pattern (`jac_sparsity`)."""
     runs = {
         name: diffrax_variant(vf, t1, y0, rtol, atol, traces, problem, name)
         for name in (DEFAULT, FIXED, REUSE, ON_FAILURE)
     }
-    runs[SCIPY] = scipy_variant(vf, t1, np.asarray(y0, np.float64), rtol, atol)
+    y0_np = np.asarray(y0, np.float64)
+    runs[SCIPY] = scipy_variant(vf, t1, y0_np, rtol, atol)
+    if sparsity is not None:
+        runs[SCIPY_SPARSE] = scipy_variant(vf, t1, y0_np, rtol, atol, sparsity)
     start = time.perf_counter()
     for fn in runs.values():
         fn(True, compile_only=True)
@@ -202,7 +232,7 @@ def compare(problem, vf, t1, y0, rtol, atol, ref, rounds, traces, count_in_timed
     times.update(interleaved(timed, rounds))
     rows = []
     for name in runs:
-        if name == SCIPY:
+        if name in (SCIPY, SCIPY_SPARSE):
             sol = outs[name]
             assert sol.success, sol.message
             y, acc, rej = sol.y[:, -1], len(sol.t) - 1, None
@@ -282,23 +312,28 @@ def _run(size: dict) -> dict:
     ref = brusselator_reference(vf, t1, y0, rtol, atol)
     progress(f"  s9 reference in {time.perf_counter() - start:.1f} s")
     rounds = size["rounds_large"]
-    large = compare(name, vf, t1, y0, rtol, atol, ref, rounds, traces, True, once=(DEFAULT,))
+    sparsity = sparsity_pattern(vf, y0)
+    large = compare(
+        name, vf, t1, y0, rtol, atol, ref, rounds, traces, True, once=(DEFAULT,), sparsity=sparsity
+    )
     rows += large
     assert all(count == 1 for count in traces.counts.values()), traces.counts
 
     by = {(r["problem"], r["variant"]): r for r in rows}
     problems = list(dict.fromkeys(r["problem"] for r in rows))
+    variants = {p: [v for v in (*VARIANTS, SCIPY_SPARSE) if (p, v) in by] for p in problems}
     metrics = {
         p: {
-            "LUs per accepted step": {
-                v: by[p, v]["LUs / accepted step"]
-                for v in (DEFAULT, FIXED, REUSE, ON_FAILURE, SCIPY)
-            },
+            "LUs per accepted step": {v: by[p, v]["LUs / accepted step"] for v in variants[p]},
             "wall / diffrax default": {
-                v: by[p, v]["wall / diffrax default"] for v in (FIXED, REUSE, ON_FAILURE, SCIPY)
+                v: by[p, v]["wall / diffrax default"] for v in variants[p] if v != DEFAULT
             },
             "wall reuse / fixed chord": by[p, REUSE]["wall [ms]"] / by[p, FIXED]["wall [ms]"],
-            "wall reuse / scipy BDF": by[p, REUSE]["wall [ms]"] / by[p, SCIPY]["wall [ms]"],
+            **{
+                f"wall reuse / {v}": by[p, REUSE]["wall [ms]"] / by[p, v]["wall [ms]"]
+                for v in (SCIPY, SCIPY_SPARSE)
+                if v in variants[p]
+            },
             "error reuse / default": by[p, REUSE]["error"] / by[p, DEFAULT]["error"],
             "error reuse / fixed chord": by[p, REUSE]["error"] / by[p, FIXED]["error"],
         }
@@ -329,7 +364,10 @@ def _run(size: dict) -> dict:
         f"{big['accepted steps']} accepted steps, "
         f"{metrics[name]['wall / diffrax default']['memox reuse']:.2f}x the default's wall "
         f"time, {metrics[name]['wall reuse / fixed chord']:.2f}x the fixed chord's, "
-        f"{metrics[name]['wall reuse / scipy BDF']:.2f}x scipy BDF's.",
+        f"{metrics[name]['wall reuse / scipy BDF']:.2f}x scipy BDF's with the dense "
+        f"Jacobian, {metrics[name]['wall reuse / scipy BDF, jac_sparsity']:.2f}x scipy "
+        "BDF's given `jac_sparsity` (finite-difference Jacobian, sparse LU: what diffrax "
+        "cannot do).",
     ]
     return {
         "id": "s9",
@@ -339,3 +377,61 @@ def _run(size: dict) -> dict:
         "metrics": metrics,
         "notes": notes,
     }
+
+
+# -- scipy's two Jacobian forms alone, on the large system -------------------------------
+
+
+def scipy_forms(n: int = 32, t1: float = 0.5, rounds: int = 3) -> list[dict]:
+    """scipy BDF with the dense Jacobian and with `jac_sparsity`, and memox reuse, on the
+    full-size Brusselator only (interleaved, `rounds` each): a bounded run for the
+    `jac_sparsity` comparison, `python -m benchmarks.s9_diffrax --scipy-forms` (4 min on
+    the loaded 2-core machine: the Radau reference, then ~25 s per round)."""
+    with jax.enable_x64(True):
+        vf, y0 = brusselator(n)
+        rtol, atol = 1e-6, 1e-8
+        progress(f"s9 scipy forms: brusselator {n}x{n}, reference (Radau, sparse Jacobian)")
+        ref = brusselator_reference(vf, t1, y0, rtol, atol)
+        y0_np = np.asarray(y0, np.float64)
+        runs = {
+            SCIPY: scipy_variant(vf, t1, y0_np, rtol, atol),
+            SCIPY_SPARSE: scipy_variant(vf, t1, y0_np, rtol, atol, sparsity_pattern(vf, y0)),
+            REUSE: diffrax_variant(vf, t1, y0, rtol, atol, TraceCounter(), "large", REUSE),
+        }
+        runs[REUSE](False, compile_only=True)
+        outs = {name: jax.block_until_ready(fn(False)) for name, fn in runs.items()}
+        times = interleaved({name: (lambda fn=fn: fn(False)) for name, fn in runs.items()}, rounds)
+        rows = []
+        for name, out in outs.items():
+            if name == REUSE:
+                y, steps, lus = out[0], int(out[1]), None
+            else:
+                assert out.success, out.message
+                y, steps, lus = out.y[:, -1], len(out.t) - 1, out.nlu
+            row = {
+                "variant": name,
+                "accepted steps": steps,
+                "LU factorisations": lus,
+                "J evals": None if name == REUSE else out.njev,
+                "RHS evals": None if name == REUSE else out.nfev,
+                "error": relative_error(y, ref, rtol, atol),
+                "wall [ms]": 1e3 * median(times[name]),
+            }
+            progress(f"  {row}")
+            rows.append(row)
+        wall = {r["variant"]: r["wall [ms]"] for r in rows}
+        progress(
+            f"  memox reuse / scipy BDF (dense J): {wall[REUSE] / wall[SCIPY]:.2f}; "
+            f"memox reuse / scipy BDF (jac_sparsity): {wall[REUSE] / wall[SCIPY_SPARSE]:.2f}"
+        )
+        return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--scipy-forms"]:
+        sys.exit("usage: python -m benchmarks.s9_diffrax --scipy-forms (all: --only s9)")
+    if diffrax is None:
+        sys.exit(f"s9 needs diffrax: {_MISSING}")
+    scipy_forms()

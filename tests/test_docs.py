@@ -13,6 +13,7 @@ of an earlier one. Two HTML comments, invisible on the site, steer a page's run:
 """
 
 import contextlib
+import importlib
 import pathlib
 import re
 import types
@@ -83,14 +84,42 @@ def test_transformations_page_copies_the_design_table():
     assert page[page.index("| combination |") :].strip() == table
 
 
+def _public_names(module: types.ModuleType, defined_here: bool = False) -> set[str]:
+    """`module.name` for each public non-module name of `module`; with `defined_here`,
+    only those defined in it (not what it imports, e.g. `memox.diffrax`'s `jnp`)."""
+    return {
+        f"{module.__name__}.{n}"
+        for n, value in vars(module).items()
+        if not n.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and not (defined_here and getattr(value, "__module__", None) != module.__name__)
+    }
+
+
 def test_api_page_lists_every_public_name():
-    # A new public name needs its `::: memox.name` entry on the API page.
+    # A new public name needs its `::: memox.name` entry on the API page: memox's,
+    # memox.policies', memox.internal's (semi-public) and memox.diffrax's.
     text = (DOCS / "api.md").read_text()
     documented = set(re.findall(r"^::: (memox(?:\.\w+)+)", text, flags=re.M))
-    public = {
-        f"memox.{n}"
-        for n in dir(memox)
-        if not n.startswith("_") and not isinstance(getattr(memox, n), types.ModuleType)
-    }
-    public |= {f"memox.policies.{n}" for n in ("Exact", "Drift", "Manual")}
+    public = _public_names(memox)
+    public |= _public_names(memox.policies) | _public_names(memox.internal)
+    try:
+        memox_diffrax = importlib.import_module("memox.diffrax")
+    except ImportError:  # needs diffrax, an extra (CI's oldest cell installs it)
+        pass
+    else:
+        public |= _public_names(memox_diffrax, defined_here=True)
+        assert {"memox.diffrax.ReuseJacobian", "memox.diffrax.ReuseState"} <= public
     assert public <= documented, sorted(public - documented)
+
+
+def test_training_page_runs_a_memox_jit_step():
+    # Issue 21: the training how-to says "compile the step with `memox.jit`"; it must show
+    # a complete one (optax, `eqx.filter_value_and_grad` inside the function given to
+    # `memox.jit`, `eqx.combine`) in a block that test_page_runs runs, not a skipped one.
+    found = blocks(DOCS / "howto" / "training.md")
+    runnable = [code for _, code, skipped in found if not skipped]
+    assert any(
+        all(part in code for part in ("memox.jit(", "filter_value_and_grad", "eqx.combine"))
+        for code in runnable
+    ), "docs/howto/training.md: no runnable `memox.jit` training step"
