@@ -183,7 +183,7 @@ BATCHED_PREDICATE = (
     "`{method}` runs under `jax.vmap` with batched dependencies or arguments, where a "
     "hit cannot skip the computation (`lax.cond` on a batched predicate runs both "
     "branches): memox computes it for every element at every call and counts each as a "
-    "miss. To reuse one value for the batch, keep what it reads unbatched (`in_axes=None` "
+    "miss. Keep what it reads unbatched to reuse one value for the batch (`in_axes=None` "
     "for the module), or compute it once before the `vmap`."
 )
 
