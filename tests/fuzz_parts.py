@@ -1,0 +1,302 @@
+"""Parts of the differential fuzzer (tests/test_fuzz.py) for the classes of input that
+once returned another input's value (issue 18): JAX configurations, non-array parts
+that `==` cannot tell apart, dtypes, slots shared by several paths, threads, and the
+checks every op ends with (values and types; which warnings are expected)."""
+
+import contextlib
+import dataclasses
+import operator
+import struct
+import threading
+import warnings
+import zlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import memox
+from memox import Memo
+
+
+# -- checks ------------------------------------------------------------------------------
+
+
+def assert_same(got, want, what):
+    """Equal types (tree structure; dtype, weak type, shape of every leaf) and values:
+    floats to rounding (memox computes inside a `cond`, the reference op by op), the
+    rest exactly."""
+    assert jax.tree.structure(got) == jax.tree.structure(want), (what, got, want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert jax.typeof(g) == jax.typeof(w), (what, jax.typeof(g), jax.typeof(w))
+        if jnp.issubdtype(w.dtype, jnp.inexact):
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32),
+                np.asarray(w, np.float32),
+                rtol=2e-3,
+                atol=1e-6,
+                err_msg=what,
+            )
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=what)
+
+
+# The one warning the semantics call for: under `vmap` with a batched predicate memox
+# computes (both branches would run), counts a miss and says so (design.md, "Never
+# silent, by accounting").
+BATCHED = "runs under `jax.vmap` with batched dependencies or arguments"
+
+
+@contextlib.contextmanager
+def batched_warnings_allowed():
+    """Accept memox's batched-predicate `UncachedWarning`; re-raise any other warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if not (issubclass(w.category, memox.UncachedWarning) and BATCHED in str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+# -- 1. configuration toggles: what `jax.jit` keys on --------------------------------------
+
+
+@contextlib.contextmanager
+def _flag(name, value):
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
+# Each configuration with the methods of `test_fuzz.Model` whose values or types it
+# changes (where it changes none on this backend, the methods it could change).
+CONFIGS = {
+    "x64": (lambda: jax.enable_x64(True), ["x", "u", "v"]),
+    "x32": (lambda: jax.enable_x64(False), ["x", "u"]),
+    "threefry_partitionable flipped": (
+        lambda: _flag("jax_threefry_partitionable", not jax.config.jax_threefry_partitionable),
+        ["k", "y"],
+    ),
+    "random_seed_offset 7": (lambda: _flag("jax_random_seed_offset", 7), ["y"]),
+    "matmul highest": (lambda: jax.default_matmul_precision("highest"), ["b", "d"]),
+    "matmul bfloat16": (lambda: jax.default_matmul_precision("bfloat16"), ["b", "c"]),
+    "promotion standard": (lambda: jax.numpy_dtype_promotion("standard"), ["g", "e"]),
+}
+CONFIG_CASES = [(config, method) for config, (_, methods) in CONFIGS.items() for method in methods]
+
+
+# -- 2, 3. non-array parts: C callables, stateful objects, parts `==` confuses ------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    flag: object
+
+
+def nan(payload):
+    """A Python float NaN with the given payload."""
+    return float(np.array(0x7FF8000000000000 | payload, np.uint64).view(np.float64))
+
+
+# Each part is a static field (`Model.aux`), a non-array argument (`Model.v`) and a
+# non-array leaf (`Leafy.part`). Neighbours that `==` (or a guess that "C callables are
+# stateless") once confused: they must never share a value.
+PARTS = [
+    operator.itemgetter(0),
+    operator.itemgetter(1),
+    operator.attrgetter("real"),
+    operator.attrgetter("imag"),
+    operator.methodcaller("sum"),
+    operator.methodcaller("prod"),
+    np.random.default_rng(0),
+    np.random.default_rng(1),
+    np.random.default_rng(0),  # the same state as the first, another object
+    0.0,
+    -0.0,
+    nan(1),
+    nan(2),
+    1.0,
+    1,
+    True,
+    (1,),
+    (True,),
+    (1.0,),
+    Cfg(1),
+    Cfg(True),
+    Cfg(1.0),
+    Cfg(0.0),
+    Cfg(-0.0),
+    *jax.devices()[:2],  # distinct devices where there are two
+]
+
+
+# The pairs a key could confuse: equal by `==` (`0.0 == -0.0`, `(1,) == (True,)`,
+# `Cfg(1) == Cfg(1.0)`), or of one type (two `itemgetter`s, two generators, two NaNs).
+PAIRS = [
+    (i, j)
+    for i, a in enumerate(PARTS)
+    for j, b in enumerate(PARTS)
+    if i != j and (type(a) is type(b) or a == b)
+]
+
+
+def part_index(part):
+    """The index of `part` in `PARTS`, by identity."""
+    return next(i for i, p in enumerate(PARTS) if p is part)
+
+
+def _exact(part):
+    """What makes a canonical part what it is: floats by their bits, types kept."""
+    if isinstance(part, float):
+        return ("float", struct.pack("<d", part).hex())
+    if isinstance(part, bool | int):
+        return (type(part).__name__, int(part))
+    if isinstance(part, tuple):
+        return ("tuple", tuple(map(_exact, part)))
+    if dataclasses.is_dataclass(part):
+        fields = dataclasses.fields(part)
+        return (type(part).__name__, tuple(_exact(getattr(part, f.name)) for f in fields))
+    raise TypeError(part)
+
+
+def _code(part):
+    if isinstance(part, np.random.Generator):
+        return part.bit_generator.state["state"]["state"]  # its state, not advanced
+    if isinstance(part, jax.Device):
+        return part.id
+    return zlib.crc32(repr(_exact(part)).encode())
+
+
+def use_part(part, x):
+    """What a method computes from a non-array part and an array `x`: values that differ
+    wherever the parts behave differently (an applied callable; an exact code of the
+    part; the part as an array, whose dtype and weak type differ for `1`, `True`, `1.0`)."""
+    if isinstance(part, operator.itemgetter | operator.attrgetter | operator.methodcaller):
+        return jnp.broadcast_to(part(x), x.shape), jnp.int32(0), jnp.asarray(0)
+    scalar = part
+    while isinstance(scalar, tuple | Cfg):
+        scalar = scalar[0] if isinstance(scalar, tuple) else scalar.flag
+    if not isinstance(scalar, bool | int | float):
+        scalar = 0
+    return x, jnp.int32(_code(part) % 2**31), jnp.asarray(scalar)
+
+
+class Leafy(eqx.Module):
+    """A part as a non-array leaf (not a static field)."""
+
+    x: jax.Array
+    part: object
+    cache: Memo[tuple[jax.Array, jax.Array, jax.Array]] = Memo()
+
+    @memox.cached("cache")
+    def use(self):
+        return use_part(self.part, self.x)
+
+
+# -- 4. one slot's arrays at several paths: an ensemble from one template ------------------
+
+
+class Layer(eqx.Module):
+    w: jax.Array
+    m_cache: Memo[jax.Array] = Memo()
+    x_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("m_cache", policy=memox.policies.Manual())
+    def manual(self):
+        return 2.0 * self.w + 1.0
+
+    @memox.cached("x_cache")
+    def exact(self):
+        return jnp.sin(self.w)
+
+
+class Ensemble(eqx.Module):
+    layers: list
+
+
+def ensemble(template, seed):
+    """The way an ensemble is built: variants of one `memox.init`ed template (every one
+    holds the template's slot arrays), and one of them at a second path."""
+    variants = [
+        eqx.tree_at(lambda m: m.w, template, jnp.full((2,), seed + i + 1.0)) for i in range(3)
+    ]
+    return Ensemble([*variants, variants[0]])
+
+
+# -- 5. dtypes -------------------------------------------------------------------------
+
+DTYPES = [
+    "bool",
+    "int2",
+    "int4",
+    "uint4",
+    "int8",
+    "float4_e2m1fn",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "bfloat16",
+    "float16",
+]
+_computable: dict[str, bool] = {}
+
+
+def computable(name):
+    """Whether the installed jax has dtype `name` and the backend moves and converts it."""
+    if name not in _computable:
+        dtype = getattr(jnp, name, None)
+        try:
+            x = jnp.zeros((4,), dtype)
+            jax.block_until_ready(jax.jit(lambda x: (x[::-1], x.astype(jnp.float32)))(x))
+            _computable[name] = dtype is not None
+        except Exception:  # XLA's own error, whatever its type
+            _computable[name] = False
+    return _computable[name]
+
+
+def random_bits(name, shape, seed):
+    """An array of dtype `name` with random bit patterns (NaN payloads included)."""
+    dtype = np.dtype(getattr(ml_dtypes, name, name))
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.random.default_rng(seed).integers(0, 256, (size,), dtype=np.uint8)
+    bits = 1 if dtype == np.bool_ else jax.dtypes.itemsize_bits(dtype)
+    if bits < 8:
+        raw &= np.uint8((1 << bits) - 1)
+    return jnp.asarray(raw.view(dtype).reshape(shape))
+
+
+def one_element_changed(x, index):
+    """`x` with its element at flat `index` given another bit pattern (the lowest bit
+    flipped: valid for every dtype, sub-byte and bool included)."""
+    host = np.array(x)
+    host.reshape(-1).view(np.uint8)[(index % host.size) * host.dtype.itemsize] ^= np.uint8(1)
+    return jnp.asarray(host)
+
+
+# -- 8. threads --------------------------------------------------------------------------
+
+
+def run_threads(target, n=2):
+    """Run `target(i, barrier)` on `n` threads at once; re-raise the first error."""
+    barrier = threading.Barrier(n, timeout=120)
+    errors = []
+
+    def guarded(i):
+        try:
+            target(i, barrier)
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
