@@ -48,11 +48,11 @@ def _both(run, make, *args):
 def _assert_same(a, b):
     """Equal computation counts, and equal outputs leaf by leaf (slots included).
 
-    Outputs are compared to `rtol=1e-6`, not bit for bit (see `memox/_scan.py`): the
-    first step is compiled outside the loop, where XLA may run an operation with another
-    kernel (on jax 0.12's XLA:CPU a dot product is summed in another order: each result
-    differs by less than 2^-24 * sum |w_i x_i|), and the difference goes on through the
-    carry. These bodies are elementwise, and equal bit for bit in practice."""
+    Outputs are compared to `rtol=1e-6`, not bit for bit (see `memox/_scan.py`): a
+    cached value computed at step 0 is computed by the first step, outside the loop,
+    where XLA may compile the method otherwise (on jax 0.12's XLA:CPU a dot product is
+    summed in another order), and the difference goes on through the carry. Elementwise
+    bodies are compared bit for bit in `test_elementwise_bodies_are_bitwise_lax_scan`."""
     (out_a, n_a), (out_b, n_b) = a, b
     assert n_a == n_b
     leaves_a, leaves_b = _leaves(out_a), _leaves(out_b)
@@ -363,6 +363,201 @@ def test_max_age_stays_in_the_carry():
     ref, got = _both(_reads_b, make, xs)
     _assert_same(ref, got)
     assert got[1] == 2  # computed at steps 0 and 3
+
+
+# -- lax.scan's types, counts and bits (issue 18, item 6) -------------------------------
+#
+# `memox.scan` runs `lax.scan`'s loop from the same `init` over every step: the first
+# step, outside the loop, is run for what it fills only (see `memox/_scan.py`).
+
+
+def _types(tree):
+    return [jax.typeof(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+_INITS = {
+    "python float": lambda: 0.0,
+    "weak array": lambda: jnp.asarray(0.0),
+    "strong array": lambda: jnp.float32(0),
+    "numpy scalar": lambda: np.float32(0),
+    "weak vector": lambda: lax.full((2,), 0.0),
+}
+_UPDATES = {
+    "unchanged": lambda acc, b, x: acc,
+    "weak": lambda acc, b, x: acc + 1.0,
+    "strong": lambda acc, b, x: acc + b * x,
+}
+_OUTPUTS = {
+    "carry": lambda acc, b, x: acc,
+    "weak from carry": lambda acc, b, x: acc * 2.0,
+    "strong": lambda acc, b, x: b * x,
+    "python scalar": lambda acc, b, x: 1.0,
+    "x": lambda acc, b, x: x,
+}
+
+
+def _typed_run(scan, init, update, output, xs):
+    def body(carry, x):
+        f, acc, n = carry
+        b, f = memox.call(f, Foo.b)
+        return (f, update(acc, b, x), n + 1), (output(acc, b, x), acc)
+
+    return scan(body, (memox.init(foo(Counter())), init, 0), xs)
+
+
+# Regression (issue 18, item 6): from a Python scalar, a body returning a strongly typed
+# carry gave strongly typed `ys` where `lax.scan`'s are weak (`lax.scan` passes its body
+# `init`'s types at every step; the loop started from the first step's carry).
+@pytest.mark.parametrize("init", _INITS, ids=str)
+@pytest.mark.parametrize("update", _UPDATES, ids=str)
+@pytest.mark.parametrize("output", _OUTPUTS, ids=str)
+@pytest.mark.parametrize("xs", ["strong", "weak"])
+def test_types_are_lax_scans(init, update, output, xs):
+    xs = jnp.arange(T, dtype=jnp.float32) if xs == "strong" else lax.full((T,), 2.0)
+    args = (_INITS[init](), _UPDATES[update], _OUTPUTS[output], xs)
+    want, got = (jax.eval_shape(lambda: _typed_run(scan, *args)) for scan in _SCANS)
+    assert _types(got) == _types(want)
+
+
+@pytest.mark.parametrize("run", ["eager", "jit"])
+def test_weak_outputs_combine_as_lax_scans(run):
+    # The issue's program: an accumulator from `0.0`, `ys` multiplied by bfloat16.
+    xs = jnp.arange(T, dtype=jnp.float32)
+    args = (0.0, _UPDATES["strong"], _OUTPUTS["carry"], xs)
+    out = {}
+    for scan in _SCANS:
+        go = lambda: _typed_run(scan, *args)  # noqa: E731
+        out[scan] = go() if run == "eager" else jax.jit(go)()
+        assert (out[scan][1][0] * jnp.ones(T, jnp.bfloat16)).dtype == jnp.bfloat16
+    assert _types(out[memox.scan]) == _types(out[lax.scan])
+    np.testing.assert_array_equal(out[memox.scan][1], out[lax.scan][1])
+
+
+class _Two(eqx.Module):
+    """A method keyed by an argument (`scaled`) and one without (`total`)."""
+
+    a: jax.Array
+    scaled_cache: Memo[jax.Array] = Memo()
+    total_cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("scaled_cache")
+    def scaled(self, s):
+        return self.a * s
+
+    @memox.cached("total_cache")
+    def total(self):
+        return jnp.sum(jnp.sin(self.a))
+
+
+def _counted(scan, how, filled):
+    m = memox.init(_Two(jnp.arange(3.0)), _Two.scaled, jnp.float32(1))
+    if filled:
+        _, m = memox.call(m, _Two.scaled, jnp.float32(2))
+        _, m = memox.call(m, _Two.total)
+    xs = jnp.arange(T, dtype=jnp.float32)
+
+    def loss(s, a, w):
+        def body(m, x):
+            v, m = memox.call(m, _Two.scaled, s)
+            t, m = memox.call(m, _Two.total)
+            return m, w * (jnp.sum(v) + t) * x
+
+        m_out, ys = scan(body, eqx.tree_at(lambda m: m.a, m, a), xs)
+        return jnp.sum(ys), m_out
+
+    args = (jnp.float32(2), m.a, jnp.float32(3))
+    run = {
+        "plain": loss,
+        "grad, frozen": jax.grad(loss, argnums=2, has_aux=True),
+        "grad, argument": jax.grad(loss, argnums=0, has_aux=True),
+        "grad, dependencies": jax.grad(loss, argnums=1, has_aux=True),
+        "jvp, dependencies": lambda s, a, w: jax.jvp(
+            lambda a: loss(s, a, w), (a,), (jnp.ones(3),), has_aux=True
+        )[2],
+    }[how]
+    out = jax.jit(run)(*args)
+    return _stats(out if how.startswith("jvp") else out[1])
+
+
+# `memox.stats` counts are `lax.scan`'s, but where a hoisted method's dependencies or
+# arguments carry a tangent: `lax.scan`'s tangent rule runs the method's `jvp` and
+# stores its value at every read (`T` misses); `memox.scan` runs it once, in the first
+# step (one miss), and the loop reads it (`T - 1` hits). This pins the rule its
+# docstring states (issue 18, item 6: the docstring said "the same" under `grad`).
+@pytest.mark.parametrize(
+    "how",
+    ["plain", "grad, frozen", "grad, argument", "grad, dependencies", "jvp, dependencies"],
+)
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
+def test_counts_are_lax_scans(how, filled):
+    with jax.check_tracer_leaks(False):  # (see `test_gradients_through_a_frozen_carried_module`)
+        want = _counted(lax.scan, how, filled)
+    got = _counted(memox.scan, how, filled)
+    before = {"scaled_cache": (0, 1), "total_cache": (0, 1)} if filled else {}
+    differentiated = {
+        "grad, argument": {"scaled_cache"},
+        "grad, dependencies": {"scaled_cache", "total_cache"},
+        "jvp, dependencies": {"scaled_cache", "total_cache"},
+    }.get(how, set())
+    for slot in ("scaled_cache", "total_cache"):
+        h, m = before.get(slot, (0, 0))
+        if slot in differentiated:
+            assert (want[slot], got[slot]) == ((h, m + T), (h + T - 1, m + 1))
+        else:
+            assert want[slot] == got[slot] == (h + T - (not filled), m + (not filled))
+
+
+_BODIES = {
+    # (new accumulator, output) from the accumulator, the cached value and the element
+    "sin": lambda acc, b, x: (acc + jnp.sin(b * x), jnp.sin(acc * x)),
+    "division": lambda acc, b, x: (acc / (1 + b * x * x), acc / (b + x * x)),
+    "rsqrt": lambda acc, b, x: (acc + lax.rsqrt(1 + b * x * x), jnp.sqrt(1 + acc * acc)),
+    "constant": lambda acc, b, x: (acc + x, jnp.sin(_C * 1.3) + jnp.exp(_C) / 3 + 0 * x),
+}
+_C = jnp.linspace(-1.0, 1.0, 16)
+
+
+def _elementwise(scan, body, how, filled):
+    f = memox.init(foo(Counter()))
+    if filled:
+        _, f = memox.call(f, Foo.b)
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(T, 16)), jnp.float32)
+
+    def run(f, xs, w):
+        def step(carry, x):
+            f, acc = carry
+            b, f = memox.call(f, Foo.b)
+            acc, y = _BODIES[body](acc, b / 36.0, w * x)
+            return (f, acc), y
+
+        return scan(step, (f, jnp.ones(16)), xs)
+
+    w = jnp.float32(0.5)
+    if how == "eager":
+        return run(f, xs, w)
+    if how == "jit":
+        return jax.jit(run)(f, xs, w)
+    if how == "jit, closed over":
+        return jax.jit(lambda: run(f, xs, w))()
+    # The gradient with respect to a weight on the elements, the module frozen.
+    return jax.jit(jax.grad(lambda w: jnp.sum(run(f, xs, w)[1] ** 2)))(w)
+
+
+# Regression (issue 18, item 6): an elementwise body on a frozen module differed from
+# `lax.scan` at step 0, where the step ran outside the loop: XLA folded it at compile
+# time where its inputs were constants (other rounding than the compiled kernels), and
+# eagerly it ran op by op. Now every step runs in the loop.
+@pytest.mark.parametrize("body", _BODIES)
+@pytest.mark.parametrize("how", ["eager", "jit", "jit, closed over", "grad"])
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
+def test_elementwise_bodies_are_bitwise_lax_scan(body, how, filled):
+    with jax.check_tracer_leaks(False):  # (see `test_gradients_through_a_frozen_carried_module`)
+        want = _elementwise(lax.scan, body, how, filled)
+    got = _elementwise(memox.scan, body, how, filled)
+    leaves_want, leaves_got = _leaves(want), _leaves(got)
+    assert len(leaves_want) == len(leaves_got)
+    for a, b in zip(leaves_want, leaves_got):
+        np.testing.assert_array_equal(a, b)
 
 
 # -- composed with other transformations -------------------------------------------------
