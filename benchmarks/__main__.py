@@ -2,6 +2,8 @@
 
 Writes `<date>-<device>.json`, `.md` and `-*.png` to `benchmarks/results/` (full mode)
 or `benchmarks/results/quick/` (`--quick`; git-ignored, for CI's smoke run).
+`--render RECORD.json` runs nothing: it rewrites a recorded run's headline and Markdown
+report from its JSON record, with the scenarios' current goals (`GOALS`).
 """
 
 from __future__ import annotations
@@ -96,7 +98,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--only", default="", help="comma-separated scenarios, e.g. s1,s4")
     parser.add_argument("--out", default=None, help="output directory")
+    parser.add_argument(
+        "--render",
+        default=None,
+        metavar="RECORD.json",
+        help="run nothing: rewrite a recorded run's headline and Markdown report from its "
+        "JSON record, with the scenarios' current goals",
+    )
     args = parser.parse_args(argv)
+    modules = {
+        key: importlib.import_module(f".{name}", __package__) for key, name in SCENARIOS.items()
+    }
+    goals = {key: getattr(mod, "GOALS", {}) for key, mod in modules.items()}
+    if args.render:
+        files = _report.render(Path(args.render), goals)
+        progress(f"rewrote {', '.join(files)}")
+        return
     mode = "quick" if args.quick else "full"
     chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
     unknown = set(chosen) - set(SCENARIOS)
@@ -110,9 +127,6 @@ def main(argv: list[str] | None = None) -> None:
         f"writing to {out_dir}"
     )
 
-    modules = {
-        key: importlib.import_module(f".{name}", __package__) for key, name in SCENARIOS.items()
-    }
     sizes = {key: mod.SIZES[mode] for key, mod in modules.items() if hasattr(mod, "SIZES")}
     results: dict = {}
     for key in chosen:
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": sizes,
         "scenarios": results,
     }
-    record["headline"] = _report.headline(results)
+    record["headline"] = _report.headline(results, goals)
     stem = f"{record['date']}-{env['device']}"
     if args.only:  # a partial run never overwrites a complete one
         stem += "-only-" + "-".join(chosen)

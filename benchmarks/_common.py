@@ -9,6 +9,7 @@ is never inside a timed call unless the call is labelled "first call".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,37 @@ import numpy as np
 from jax import monitoring
 
 import memox
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """A scenario's target for a headline measure: `value <op> bound`.
+
+    A scenario declares its goals in a module-level `GOALS`, by headline measure: a key
+    applies to the measures it begins with, the longest key winning (so one key can
+    cover a measure's sizes, "..., T=50" and "..., T=200"). `unmet` says why the measure
+    misses the goal where it is known to (the mechanism, not a figure: the report adds
+    the measured value); the report shows an unmet goal with it, or says that the
+    scenario gives no reason.
+    """
+
+    op: str  # "<=" or ">="
+    bound: float
+    unmet: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in ("<=", ">="):
+            raise ValueError(f"Goal: op must be '<=' or '>=', got {self.op!r}")
+
+    def met(self, value: float) -> bool:
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+
+def goal_key(goals: dict[str, Goal], measure: str) -> str | None:
+    """The key of `measure`'s goal among a scenario's `GOALS`: the longest key that
+    `measure` begins with, if any."""
+    keys = [k for k in goals if measure.startswith(k)]
+    return max(keys, key=len) if keys else None
 
 
 def flops_of(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._common import TraceCounter, interleaved, median, progress
+from ._common import Goal, TraceCounter, interleaved, median, progress
 
 
 try:
@@ -58,6 +58,17 @@ SIZES = {
         configs=(dict(label="small", n=16, batch=4, ode_steps=4, saves=3, rounds=3),),
         count_in_timed=True,
     ),
+}
+
+# The headline's goals (`_common.Goal`), and why a measure misses its goal where it does.
+_FIXED_COST = (
+    "the slot carried into and out of the step and memox's dispatch are a fixed cost per "
+    "step, not computation (expm runs once per solve, as hand-hoisted): its share grows as "
+    "the step shrinks"
+)
+GOALS = {
+    "step / hand-hoisted, memox.call + hoist": Goal("<=", 1.1, _FIXED_COST),
+    "step / hand-hoisted, memox.jit step": Goal("<=", 1.1, _FIXED_COST),
 }
 LR = 1e-2
 NAIVE, HAND, CALL, JIT = "naive", "hand-hoisted", "memox.call + hoist", "memox.jit step"

@@ -4,7 +4,7 @@
 import importlib.metadata
 
 from . import internal as internal, policies as policies
-from ._cached import cached as cached
+from ._cached import CachedMethod as CachedMethod, cached as cached
 from ._call import (
     SlotStats as SlotStats,
     call as call,
@@ -17,7 +17,7 @@ from ._call import (
 )
 from ._errors import UncachedWarning as UncachedWarning
 from ._filter_jit import filter_jit as filter_jit
-from ._flops import flops as flops
+from ._flops import FlopCount as FlopCount, flops as flops
 from ._jit import jit as jit
 from ._scan import scan as scan
 from ._slot import Memo as Memo

@@ -55,13 +55,22 @@ import jax.extend
 
 @dataclasses.dataclass(frozen=True)
 class FlopCount:
-    """The FLOPs of one evaluation of a computation, and what they leave out.
+    """The FLOPs of one evaluation of a computation, and what they leave out: what
+    `memox.flops` returns (and what `memox.SlotStats.flops` is counted from).
 
-    - `flops`: the floating-point operations counted (see `memox/_flops.py`).
+    - `flops`: the floating-point operations counted (the rules: `memox.flops`).
     - `unknown`: primitive name -> number of equations of that primitive in the jaxpr
       that no rule prices (each counted zero), e.g. `{"sort": 1}`. Equations inside
       loop bodies and every branch of a `cond` are included, each once.
     - `exact`: whether every equation was priced (`unknown` is empty).
+
+    !!! Example
+
+        ```python
+        count = memox.flops(lambda x: jnp.sort(jnp.tanh(x)), jnp.ones(4))
+        assert count == memox.FlopCount(flops=4, unknown={"sort": 1})
+        assert not count.exact  # the sort is not priced
+        ```
     """
 
     flops: int
