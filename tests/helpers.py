@@ -1,4 +1,5 @@
-"""Shared test models and counters: real executions (not traces) and traces."""
+"""Shared test models, counters of real executions (not traces), and readers of slot
+statistics and jaxprs."""
 
 import contextlib
 
@@ -34,7 +35,7 @@ class Counter:
 
 
 class Foo(eqx.Module):
-    """The seed's example: `b` is an expensive function of `a`."""
+    """Seed 1's example (test_seeds.py): `b` is an expensive function of `a`."""
 
     a: jax.Array
     counter: Counter = eqx.field(static=True)
@@ -104,3 +105,36 @@ def outer():
     ci, co = Counter(), Counter()
     x = jnp.arange(9.0).reshape(3, 3) / 10
     return Outer(Inner(x, ci), jnp.ones(3), co), ci, co
+
+
+def call_b_times(module, x):
+    """`memox.call(module, lambda m: m.b() * x)`: a `Foo`'s cached `b`, scaled by an
+    argument that may be traced, batched or a loop's element."""
+    return memox.call(module, lambda m: m.b() * x)
+
+
+def hits_and_misses(module, path="b_cache"):
+    """`(hits, misses)` of the slot at `path` in `module`, as `memox.stats` reports them
+    (arrays, one count per element, for a batched module)."""
+    stats = memox.stats(module)[path]
+    return stats.hits, stats.misses
+
+
+def hits_and_misses_by_slot(module):
+    """`{path: (hits, misses)}` for every slot of `module`."""
+    return {path: (s.hits, s.misses) for path, s in memox.stats(module).items()}
+
+
+def primitives(jaxpr, in_cond=False):
+    """`(primitive name, inside a cond branch?)` for every equation of `jaxpr`, recursing
+    into the sub-jaxprs of its equations' parameters (branches, loop bodies, calls)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append((eqn.primitive.name, in_cond))
+        inner_in_cond = in_cond or eqn.primitive.name == "cond"
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += primitives(sub, inner_in_cond)
+    return found

@@ -610,7 +610,7 @@ def test_gradients_through_a_frozen_carried_module():
 
     got, computed = grad(memox.scan)
     # JAX's leak checker reports a false positive for `lax.scan` here (a debug callback
-    # in a scan under `grad`: see the note in `test_transform_loops.py`).
+    # in a scan under `grad`: see the note in `test_scan.py`).
     with jax.check_tracer_leaks(False):
         want, _ = grad(lax.scan)
     np.testing.assert_allclose(got, want, rtol=1e-5)

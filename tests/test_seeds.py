@@ -1,5 +1,31 @@
-"""The failure modes of ../shared/seeds/, rewritten with memox: `b` is computed exactly
-once wherever the module is threaded (real executions counted, not traces)."""
+"""Three caching failures reported by JAX users, rewritten with memox: `b` is computed
+exactly once wherever the module is threaded (real executions counted, not traces).
+
+Seed 1, `functools.cached_property` on a pytree (a `flax.struct.PyTreeNode`):
+
+    class Foo(flax.struct.PyTreeNode):
+        a: jax.Array
+
+        @functools.cached_property
+        def b(self):
+            jax.debug.print("Computing b ...")
+            return jnp.sum(self.a)
+
+    use_b = jax.jit(lambda foo: foo.b)
+
+The cache lives in the instance's `__dict__`, which is not a pytree field: `foo.b` then
+`use_b(foo)` computes twice, `use_b(foo)` twice computes twice, and `use_b(foo)` then
+`foo.b` computes twice. A cache field assigned inside `use_b` is lost too: the traced
+copy is written, and the function does not return it.
+
+Seed 2, new parameters for a jitted function that scans with a closure over them:
+`example(Params(jnp.array([1., 2.]), 2))` then `example(Params(jnp.array([3., 4.]), 2))`.
+Only static data and shapes are in the compilation key: no recompilation, and the new
+values are used.
+
+Seed 3, `jax.jit(c.calc)` on a bound method: `self` is baked into the compiled function,
+so `c.mul = False` afterwards changes nothing.
+"""
 
 import equinox as eqx
 import jax

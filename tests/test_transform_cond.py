@@ -6,19 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, call_b_times, foo, hits_and_misses
 from jax import lax
 
 import memox
-
-
-def _counts(m):
-    stats = memox.stats(m)["b_cache"]
-    return stats.hits, stats.misses
-
-
-def _b_times(m, x):
-    return memox.call(m, lambda m: m.b() * x)
 
 
 def _skip(m, x):
@@ -29,7 +20,7 @@ def _b_plus(m, x):
     return memox.call(m, lambda m: m.b() + x)
 
 
-BRANCHES = [_skip, _b_times, _b_plus]
+BRANCHES = [_skip, call_b_times, _b_plus]
 
 
 def _plain(index, a, x):
@@ -47,7 +38,7 @@ def test_taken_branch_fill_propagates(op):
         nonlocal traces
         traces += 1
         if op == "cond":  # index 0 or 1
-            return lax.cond(index == 1, _b_times, _skip, m, x)
+            return lax.cond(index == 1, call_b_times, _skip, m, x)
         return lax.switch(index, BRANCHES, m, x)
 
     f = memox.init(foo(c))
@@ -57,10 +48,10 @@ def test_taken_branch_fill_propagates(op):
         y, f = run(jnp.int32(index), f, x)
         assert y == _plain(index, f.a, 3.0)
         if i == 0:  # the untaken branch filled nothing
-            assert _counts(f) == (0, 0)
+            assert hits_and_misses(f) == (0, 0)
     assert traces == 1 and c.n == 1
     n_calls = sum(index != 0 for index in indices)
-    assert _counts(f) == (n_calls - 1, 1)
+    assert hits_and_misses(f) == (n_calls - 1, 1)
     # The fill reached the caller: an eager call hits.
     _, f = memox.call(f, Foo.b)
     assert c.n == 1
@@ -73,9 +64,9 @@ def test_both_branches_call_and_dependency_changes_inside_a_branch():
 
     def bumped(m, x):
         m = eqx.tree_at(lambda t: t.a, m, m.a + 1.0)
-        return _b_times(m, x)
+        return call_b_times(m, x)
 
-    run = jax.jit(lambda p, m, x: lax.cond(p, _b_times, bumped, m, x))
+    run = jax.jit(lambda p, m, x: lax.cond(p, call_b_times, bumped, m, x))
     f0 = memox.init(foo(c))
     x = jnp.float32(2)
     y, f = run(True, f0, x)
@@ -84,7 +75,7 @@ def test_both_branches_call_and_dependency_changes_inside_a_branch():
     assert y == _plain(1, np.asarray(f0.a) + 1, 2.0) and c.n == 2
     y, f = run(True, f, x)  # `a` moved: the true branch sees a hit on the new value
     assert y == _plain(1, np.asarray(f0.a) + 1, 2.0) and c.n == 2
-    assert _counts(f) == (1, 2)
+    assert hits_and_misses(f) == (1, 2)
 
 
 def test_cond_inside_vmap_around_call_is_exact():
@@ -93,11 +84,11 @@ def test_cond_inside_vmap_around_call_is_exact():
     c = Counter()
     f = memox.init(foo(c))
     preds = jnp.array([True, False, True])
-    run = jax.vmap(lambda p, m, x: lax.cond(p, _b_times, _skip, m, x), in_axes=(0, None, None))
+    run = jax.vmap(lambda p, m, x: lax.cond(p, call_b_times, _skip, m, x), in_axes=(0, None, None))
     ys, fs = jax.jit(run)(preds, f, jnp.float32(2))
     b = np.asarray(f.a).sum()
     np.testing.assert_array_equal(ys, [2 * b, 0, 2 * b])
-    hits, misses = _counts(fs)
+    hits, misses = hits_and_misses(fs)
     assert hits.tolist() == [0, 0, 0] and misses.tolist() == [1, 0, 1]
 
 

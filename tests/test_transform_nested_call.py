@@ -7,13 +7,9 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import Counter, Foo, Inner, Outer, foo, outer
+from helpers import Counter, Foo, Inner, Outer, foo, hits_and_misses_by_slot, outer
 
 import memox
-
-
-def _counts(m):
-    return {path: (s.hits, s.misses) for path, s in memox.stats(m).items()}
 
 
 def _call(fn):
@@ -31,7 +27,7 @@ def test_same_module_inner_result_discarded():
     with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
         out, f = _call(lambda m: memox.call(m, Foo.b)[0] + m.b())(f)
     assert out == 2 * np.asarray(f.a).sum()
-    assert c.n == 2 and _counts(f) == {"b_cache": (0, 1)}
+    assert c.n == 2 and hits_and_misses_by_slot(f) == {"b_cache": (0, 1)}
     _, f = _call(Foo.b)(f)  # the outer fill is the caller's
     assert c.n == 2
 
@@ -44,7 +40,7 @@ def test_same_module_outer_first():
     with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
         out, f = _call(lambda m: m.b() + memox.call(m, Foo.b)[0])(f)
     assert out == 2 * np.asarray(f.a).sum()
-    assert c.n == 2 and _counts(f) == {"b_cache": (0, 1)}
+    assert c.n == 2 and hits_and_misses_by_slot(f) == {"b_cache": (0, 1)}
 
 
 def test_same_module_inner_module_returned():
@@ -54,8 +50,8 @@ def test_same_module_inner_module_returned():
     f = memox.init(foo(c))
     (b, inner), outer = _call(lambda m: memox.call(m, Foo.b))(f)
     assert b == np.asarray(f.a).sum() and c.n == 1
-    assert _counts(inner) == {"b_cache": (0, 1)}
-    assert _counts(outer) == {"b_cache": (0, 0)}
+    assert hits_and_misses_by_slot(inner) == {"b_cache": (0, 1)}
+    assert hits_and_misses_by_slot(outer) == {"b_cache": (0, 0)}
     _, inner = _call(Foo.b)(inner)
     assert c.n == 1
 
@@ -73,7 +69,7 @@ def test_same_module_inner_module_used_in_outer_fn():
     with pytest.warns(memox.UncachedWarning, match=r"`Foo.b` ran inside `memox.call` but"):
         out, f = _call(fn)(memox.init(foo(c)))
     assert out == 2 * np.asarray(f.a).sum()
-    assert c.n == 2 and _counts(f) == {"b_cache": (0, 0)}
+    assert c.n == 2 and hits_and_misses_by_slot(f) == {"b_cache": (0, 0)}
 
 
 def _outer():
@@ -102,7 +98,7 @@ def test_submodule_inner_call_then_outer_nested_method():
     np.testing.assert_allclose(g, x @ x.T, rtol=1e-6)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
     assert (ci.n, co.n) == (2, 1)
-    assert _counts(m) == {"inner.gram_cache": (0, 1), "chol_cache": (0, 1)}
+    assert hits_and_misses_by_slot(m) == {"inner.gram_cache": (0, 1), "chol_cache": (0, 1)}
     _, m = _call(Outer.chol)(m)  # both outer fills are the caller's
     assert (ci.n, co.n) == (2, 1)
 
@@ -122,7 +118,7 @@ def test_submodule_filled_by_inner_call_and_put_back():
         L, m = _call(fn)(m)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
     assert (ci.n, co.n) == (2, 1)
-    assert _counts(m) == {"inner.gram_cache": (0, 1), "chol_cache": (0, 1)}
+    assert hits_and_misses_by_slot(m) == {"inner.gram_cache": (0, 1), "chol_cache": (0, 1)}
 
 
 def test_submodule_call_on_the_root_inside_a_call_on_the_root():
@@ -133,4 +129,4 @@ def test_submodule_call_on_the_root_inside_a_call_on_the_root():
         L, m_out = _call(lambda m: memox.call(m, Outer.chol)[0])(m)
     np.testing.assert_allclose(L, _chol_plain(m), rtol=1e-5)
     assert (ci.n, co.n) == (1, 1)
-    assert _counts(m_out) == {"inner.gram_cache": (0, 0), "chol_cache": (0, 0)}
+    assert hits_and_misses_by_slot(m_out) == {"inner.gram_cache": (0, 0), "chol_cache": (0, 0)}
