@@ -23,9 +23,11 @@ from ._slot import (
     Path,
     SlotSite,
     allocate,
+    allocate_like,
     emptied,
     invalidated,
     is_memo,
+    mesh_of,
     path_name,
     replace_slots,
     slot_sites,
@@ -70,7 +72,9 @@ def allocate_plain_slots(module: M) -> M:
         method = method_for(site.owner, site.field)
         if method is not None and not method.takes_arguments:
             found = plan_without_arguments(method.spec, site.owner)
-            new[site.path] = allocate(site.slot, found.spec, found.snapshot_bytes(method.policy))
+            snapshot_bytes = found.snapshot_bytes(method.policy)
+            mesh = mesh_of(jtu.tree_leaves(site.owner))
+            new[site.path] = allocate(site.slot, found.spec, snapshot_bytes, mesh)
     return replace_slots(module, new)
 
 
@@ -169,8 +173,9 @@ def revive(module: M) -> M:
     for site in slot_sites(module):
         leaves = jtu.tree_leaves(site.slot)
         if any(is_concrete_array(x) and x.is_deleted() for x in leaves):
-            zeros = jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), site.slot)
-            new[site.path] = zeros
+            new[site.path] = jtu.tree_map(
+                lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), site.slot
+            )
     if new:
         warnings.warn(
             _errors.DELETED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=3
@@ -222,8 +227,9 @@ def init(module: M, fn: Fn[..., Any] | None = None, /, *args: Any, **kwargs: Any
 
     shapes = eqx.filter_eval_shape(allocated, module, args, kwargs)
     before = slots(module)
+    mesh = mesh_of(jtu.tree_leaves((module, args, kwargs)))
     new = {
-        site.path: jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), site.slot)
+        site.path: allocate_like(site.slot, mesh)
         for site in slot_sites(shapes)
         if site.slot.allocated and not _same_storage(before[site.path], site.slot)
     }
@@ -372,10 +378,12 @@ def hoist(module: M, /, *methods: MethodArg) -> M:
 def strip(module: M) -> M:
     """`module` with every slot empty: no cache arrays at all.
 
-    For smaller checkpoints: `eqx.tree_serialise_leaves(path, memox.strip(model))`
-    writes only your parameters, and `eqx.tree_deserialise_leaves(path,
-    memox.strip(like))` reads them back (slots refill on first use). The tree structure
-    is the same as the unstripped module's.
+    An empty slot holds no arrays (its fields are the integer marker `EMPTY`), so the
+    stripped module holds your parameters only: save it to checkpoint without caches,
+    with any checkpointer
+    (`ocp.StandardCheckpointer().save(path, memox.strip(model))`,
+    `eqx.tree_serialise_leaves(path, memox.strip(model))`), and restore it into
+    `memox.strip(like)` (slots refill on first use). It is a module as constructed.
 
     !!! Example
 

@@ -205,3 +205,22 @@ DELETED_SLOTS = (
 class UncachedWarning(UserWarning):
     """A cached method ran inside `memox.call` where memox cannot reach its slot: it
     computed without caching. The message says what to change."""
+
+
+NOT_CANONICAL = (
+    "memox runs in {processes} processes (`jax.process_count()`), and every process must "
+    "compute the same cache key, but {what} has no canonical encoding: {why}. A key "
+    "holding it would differ between processes (one would hit where another misses and "
+    "waits in a collective). "
+    "Define it at module level (a function or class importable by name), make it a "
+    "dataclass, NamedTuple or enum of such parts (encoded field by field), or pass it "
+    "as an array field of the module."
+)
+
+EMPTY_TRACED = (
+    "An empty `memox.Memo` slot reached memox through a trace (an argument of `jax.jit`, "
+    "a `lax.scan` carry, ...), where memox cannot allocate it without changing its type. "
+    "Allocate it first with `module = memox.init(module)`, or `memox.init(module, fn, "
+    "*args)` for a method that takes arguments (`memox.jit`, `memox.filter_jit` and "
+    "`eqx.filter_jit` allocate by themselves)."
+)

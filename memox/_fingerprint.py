@@ -139,12 +139,20 @@ def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
     return _finish(lane0, lane1, w.size, jnp)
 
 
+def canonical(x: Any) -> Any:
+    """`x` as JAX computes with it: a 64-bit array made under x64 converted (rounded, or
+    wrapped for integers, as `jax.jit` converts an argument) where x64 is now off, so
+    that a fingerprint sees the value a computation reads."""
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    return x if dtype == x.dtype else x.astype(dtype)
+
+
 def words(x: Array) -> UInt32[Array, "*words"]:
     """The bit pattern of `x` as 32-bit words, in row-major order: each element's bits
     as `_storage.to_bits` holds them (every dtype, sub-byte ones included; a typed PRNG
     key's `key_data`; a complex number's parts along a new last axis), narrower ones
     widened, one per word, wider ones split along a new last axis."""
-    u = to_bits(as_data(jnp.asarray(x)))
+    u = to_bits(canonical(as_data(jnp.asarray(x))))
     if u.dtype.itemsize < 4:
         return u.astype(jnp.uint32)
     return lax.bitcast_convert_type(u, jnp.uint32) if u.dtype != jnp.uint32 else u
@@ -219,7 +227,7 @@ class _Known:
             key = id(x)
             ref = weakref.ref(x, lambda _, key=key: self._entries.pop(key, None))
             if x.size <= HOST_HASH_MAX_SIZE and x.is_fully_addressable:
-                host = host_fingerprint(np.asarray(as_data(x)))
+                host = host_fingerprint(canonical(np.asarray(as_data(x))))
                 entry = (ref, host, host)
             else:
                 # Computed now, not staged into a trace that may be running: a concrete
@@ -234,8 +242,13 @@ class _Known:
         at most once per object."""
         return self._entry(x)[1]
 
-    def host(self, x: jax.Array) -> np.ndarray:
-        """The fingerprint of `x` as a NumPy array (waits for it once per object)."""
+    def host(self, x: jax.Array) -> np.ndarray | None:
+        """The fingerprint of `x` as a NumPy array (waits for it once per object), or
+        `None` where `x` is not fully addressable: its fingerprint is then the output of
+        a program over every process's devices, which this process alone does not read
+        (the caller keeps the in-graph hash)."""
+        if not x.is_fully_addressable:
+            return None
         ref, fp, host = self._entry(x)
         if host is None:
             host = np.asarray(fp)

@@ -239,3 +239,14 @@ def varying_like(tree: Any, like: Any) -> Any:
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+_PROCESSES: list[int] = []
+
+
+def process_count() -> int:
+    """`jax.process_count()`, read once the first time it is needed (JAX fixes it when its
+    backend starts: `jax.distributed.initialize` must come first)."""
+    if not _PROCESSES:
+        _PROCESSES.append(jax.process_count())
+    return _PROCESSES[0]

@@ -56,7 +56,7 @@ import numpy as np
 from . import _prehash
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
-from ._slot import EMPTY, Memo, Path, _child, is_memo, slots
+from ._slot import Memo, Path, _child, is_empty, is_memo, replace_slots, slots
 from ._typing import Fn, M, P, R
 
 
@@ -266,12 +266,12 @@ def allocated(tree: Any) -> Any:
     """`tree` with its empty slots allocated, as `memox.init(tree)` would: for
     `memox.jit` and `memox.filter_jit`, before their first trace.
 
-    Only declared-empty slots (their leaves the `EMPTY` marker) are allocated. A `Memo`
-    node whose leaves are `None` is a filter's image of a slot, not a slot: the mirror
+    Only declared-empty slots (their fields the `EMPTY` marker) are allocated. A `Memo`
+    node whose fields are `None` is a filter's image of a slot, not a slot: the mirror
     of the model in an optimizer state made from `eqx.filter(model, ...)` (adam's
     `mu` and `nu`), or half of an `eqx.partition`. Allocating it would change the
     optimizer state's structure, and compute the method on a module of `None`s."""
-    if not any(x is EMPTY for x in jtu.tree_leaves(tree)):
+    if not any(map(is_empty, jtu.tree_leaves(tree, is_leaf=is_memo))):
         return revive(tree)
     hidden = jtu.tree_map(
         lambda x: _Mirror(x) if is_memo(x) and x.value is None else x, tree, is_leaf=is_memo
@@ -483,9 +483,15 @@ class _Signature:
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
 
         def put(new_slots: dict[int, Memo]) -> Any:
-            for k, slot in new_slots.items():
+            new = {k: jtu.tree_leaves(slot) for k, slot in new_slots.items()}
+            if any(len(x) != b - a for k, x in new.items() for a, b in [layout.ranges[k]]):
+                # A slot the call allocated (an unused snapshot's marker became `None`):
+                # the structure changed there.
+                tree = jtu.tree_unflatten(treedef, leaves)
+                return replace_slots(tree, {layout.paths[k]: s for k, s in new_slots.items()})
+            for k, x in new.items():
                 a, b = layout.ranges[k]
-                leaves[a:b] = jtu.tree_leaves(slot)
+                leaves[a:b] = x
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)

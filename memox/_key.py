@@ -25,25 +25,50 @@ This module computes it, in one place.
 
 **Tokens: exact, canonical where provable.** A non-array part's token is a value made
 of `None`, `bool`, `int`, `str`, `bytes`, tuples and frozensets, equal for two parts
-exactly when memox may treat them as the same:
+exactly when memox may treat them as the same, by one rule in every process:
 
 - plain values by type and value: floats and complex numbers by their bits (`-0.0` is
   not `0.0`, NaN payloads differ), `True` is not `1`; tuples, lists, dicts and sets
   element by element; NumPy arrays and scalars by dtype, shape and bytes; dtypes;
 - dataclass instances and NamedTuples field by field, with their type; enum members;
-  `functools.partial`s by function and arguments;
+  `functools.partial`s by function and arguments; a `jax.Device` by platform and id;
 - functions and classes importable under their qualified name, and objects bound to a
   name in the module that defines their class (a sentinel), by that name;
+- any other function (a lambda, a closure, a function defined in a function) by its
+  *code*: its module and qualified name, its code object (bytecode, constants, names,
+  nested code objects, recursively; no line numbers), its defaults and keyword
+  defaults, the tokens of what its closure cells hold and of the module globals it
+  reads (by the names its code, nested code included, refers to); a class defined in a
+  function by its module, qualified name, metaclass, bases and the tokens of its own
+  attributes (its methods by code, as above). A cycle (a recursive closure, a method
+  using `super()`) is a back-reference. Computed once per function or class object;
 - anything else through this process's table (`_Local`): an object of a class with its
   own `__eq__` by equality with its type (the semantics `jax.jit` gives static
-  arguments; unhashable: refused, as `jax.jit` refuses it), any other object (a lambda,
-  a closure, `operator.itemgetter(0)`, a `jax.Device`, a NumPy `Generator`) by
+  arguments; unhashable: refused, as `jax.jit` refuses it), any other object (an
+  `operator.itemgetter(0)`, a NumPy `Generator`, a function closing over an array) by
   identity. Never by a guess that two distinct objects behave alike, never by `repr`.
 
-Canonical tokens serialise to the same bytes in every process: a slot restored from a
-checkpoint in another process still hits. The digest of a key holding a part numbered
-by this process's table is also salted with a per-process nonce, so a slot restored
-elsewhere never hits on a part it cannot prove equal: it recomputes.
+**Why code equality is sound.** Two functions with the same code, defaults, closure
+contents and values of the globals they read, defined in the same module, compute the
+same thing: equal code is as safe a reason to reuse a value as identity (what
+`jax.jit` keys a static function on), and unlike identity it is the same in every
+process and every run, so a slot restored from a checkpoint hits only where the
+function reads the same values (a module constant changed between runs: a miss). What
+is kept out: line numbers and file names (they change no result), and a global rebound
+after the first encoding in the same process (identity does not see it either). A
+function whose globals are not a module's (made by `exec`), or whose closure holds an
+array or an object numbered by this process, is taken by identity. (A closure cell or a
+class attribute rebound after the first encoding is not seen, as identity does not see
+it.)
+
+**One answer in every process.** Canonical tokens serialise to the same bytes in every
+process, so a slot restored from a checkpoint in another process still hits, and the
+processes of one multi-process program (`jax.distributed`) compute the same key bits,
+the same hit, the same branch (and the same collectives in it). A part numbered by
+this process's table has no such bytes: in a single process its key is salted with a
+per-process nonce (a slot restored elsewhere recomputes, never hits on a part it cannot
+prove equal), and under several processes (`jax.process_count() > 1`) it is refused,
+with a message naming it and what to do (`NOT_CANONICAL`).
 
 The per-call fast path (`_plan.py`) looks keys up by the tree structures (compared by
 `PyTreeDef.__eq__`) together with the tokens of the nodes' data (`node_token`), the
@@ -52,6 +77,7 @@ tokens of the non-array leaves and the array types: as exact as the key itself.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import functools
@@ -160,11 +186,16 @@ _LOCAL_TAG = "\x00local"
 
 
 class _Tokens:
-    """One token computation (it tracks the objects being encoded, so that a cycle
-    through them is numbered by identity instead of recursing for ever)."""
+    """One token computation. It tracks the objects being encoded: an object met again
+    inside itself (a recursive closure, a class whose methods close over it) is a
+    back-reference, by how many levels up it is open, so a cycle is encoded, not
+    numbered. `_where` says where in the part the encoding is (for messages)."""
 
     def __init__(self) -> None:
-        self._open: set[int] = set()
+        self._open: dict[int, int] = {}  # id -> depth, of the objects being encoded
+        self._reach = sys.maxsize  # the lowest depth a back-reference reached
+        self._where: list[str] = []
+        self._in_code = 0  # > 0 inside a function or class
 
     def of(self, x: Any) -> Any:
         kind = type(x)
@@ -180,42 +211,170 @@ class _Tokens:
             return ("z", struct.pack("<dd", x.real, x.imag))
         if kind is bytes:
             return ("y", x)
-        if id(x) in self._open:  # a cycle
-            return self.local(x, by_identity=True)
-        self._open.add(id(x))
+        depth = self._open.get(id(x))
+        if depth is not None:  # a cycle
+            self._reach = min(self._reach, depth)
+            return ("^", len(self._open) - depth)
+        coded = kind is types.FunctionType or kind is types.CodeType or isinstance(x, type)
+        if coded:
+            found = _CODED.get(id(x))
+            if found is not None and found[0] is x:
+                return found[1]
+        depth = len(self._open)
+        self._open[id(x)] = depth
+        outer, self._reach = self._reach, sys.maxsize
         try:
-            return self._compound(x, kind)
+            out = self._compound(x, kind)
         finally:
-            self._open.discard(id(x))
+            del self._open[id(x)]
+            reach, self._reach = self._reach, min(outer, self._reach)
+        if coded and reach >= depth:  # no reference to an object outside `x`: its own
+            if len(_CODED) >= 4096:
+                _CODED.clear()
+            _CODED[id(x)] = (x, out)  # (holds `x`: its id is not reused while remembered)
+        return out
 
     def _compound(self, x: Any, kind: type) -> Any:
         if kind is tuple or kind is list:
             return ("t" if kind is tuple else "l", tuple(map(self.of, x)))
-        if kind is dict:
+        if kind is dict or kind is types.MappingProxyType:
             return ("d", frozenset((self.of(k), self.of(v)) for k, v in x.items()))
         if kind is set or kind is frozenset:
             return ("S" if kind is set else "F", frozenset(map(self.of, x)))
         if isinstance(x, jtu.PyTreeDef):
             return self.treedef(x)
-        if isinstance(x, (np.ndarray, np.generic)) or _is_concrete_jax_array(x):
-            x = np.asarray(x)
-            if not x.dtype.hasobject:
-                return ("A", x.dtype.str, x.shape, np.ascontiguousarray(x).tobytes())
+        if isinstance(x, jax.Array):
+            if isinstance(x, jax.core.Tracer) or self._in_code or not x.is_fully_addressable:
+                return self.local(x, by_identity=True)
+        if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+            a = np.asarray(x)
+            if not a.dtype.hasobject:
+                return ("A", a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes())
         if isinstance(x, np.dtype):
             return ("D", str(x))
+        return self._named(x, kind)
+
+    def _named(self, x: Any, kind: type) -> Any:
         name = importable_name(x)
         if name is not None:
             return ("n", name)
+        if kind is types.FunctionType:
+            return self.function(x)
+        if kind is types.CodeType:
+            return self.code(x)
+        if isinstance(x, type):  # not importable: defined in a function, or by `exec`
+            return self.cls(x)
         if isinstance(x, enum.Enum):
             return ("e", self.of(type(x)), x.name)
         if isinstance(x, functools.partial):
             return ("p", self.of(x.func), self.of(x.args), self.of(x.keywords))
         if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
             return ("N", self.of(kind), tuple(map(self.of, x)))
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if dataclasses.is_dataclass(x):
             fields = tuple((f.name, self.of(getattr(x, f.name))) for f in dataclasses.fields(x))
             return ("C", self.of(kind), fields)
+        return self._machinery(x, kind)
+
+    def _machinery(self, x: Any, kind: type) -> Any:
+        if isinstance(x, jax.Device):  # one object per device in a process; ids are global
+            return ("G", x.platform, x.id)
+        if kind is types.ModuleType and sys.modules.get(x.__name__) is x:
+            return ("M", x.__name__)
+        if kind in _BY_SLOTS:  # a class's machinery: all its state in its slots
+            return (
+                "s",
+                self.of(kind),
+                tuple(self.of(getattr(x, s, _ABSENT)) for s in _BY_SLOTS[kind]),
+            )
+        if kind is _AbcRegistry:
+            return ("R", self.of(x.classes))
+        if kind is staticmethod or kind is classmethod:
+            return ("sm" if kind is staticmethod else "cm", self.of(x.__func__))
+        if kind is property:
+            return ("pr", self.of((x.fget, x.fset, x.fdel, x.__doc__)))
+        if kind is types.MemberDescriptorType or kind is types.GetSetDescriptorType:
+            return ("md", self.of(x.__objclass__.__qualname__), x.__name__)
         return self.local(x, by_identity=kind.__eq__ is object.__eq__)
+
+    def function(self, f: types.FunctionType) -> Any:
+        """A function that has no importable name (a lambda, a closure, a function
+        defined in a function), by its code (the module docstring)."""
+        module = sys.modules.get(f.__globals__.get("__name__", None) or "")
+        if module is None or f.__globals__ is not vars(module):
+            return self.local(f, by_identity=True)  # (globals of no module: `exec`)
+        self._in_code += 1
+        try:
+            return self.sealed(f, self._function(f))
+        finally:
+            self._in_code -= 1
+
+    def _function(self, f: types.FunctionType) -> Any:
+        cells = []
+        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            self._where.append(f"closure variable `{name}` of `{f.__qualname__}`")
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell (a variable assigned later)
+                contents = _EMPTY_CELL
+            try:
+                cells.append(self.of(contents))
+            finally:
+                self._where.pop()
+        read = []  # the module globals it reads: their values, not only their names
+        for name in sorted(_names_read(f.__code__)):
+            if name in f.__globals__:
+                self._where.append(f"global `{name}` read by `{f.__qualname__}`")
+                try:
+                    read.append((name, self.of(f.__globals__[name])))
+                finally:
+                    self._where.pop()
+        self._where.append(f"defaults of `{f.__qualname__}`")
+        try:
+            parts = (f.__defaults__, f.__kwdefaults__, f.__dict__ or None)
+            rest = (self.of(f.__code__), tuple(cells), tuple(read), self.of(parts))
+        finally:
+            self._where.pop()
+        return ("fn", f.__module__, f.__qualname__, f.__globals__["__name__"], *rest)
+
+    def code(self, c: types.CodeType) -> Any:
+        """A code object, by its bytecode and what it names (no line numbers, no file)."""
+        parts = (c.co_name, c.co_qualname, c.co_argcount, c.co_posonlyargcount)
+        parts += (c.co_kwonlyargcount, c.co_flags, c.co_code, c.co_consts, c.co_names)
+        parts += (c.co_varnames, c.co_freevars, c.co_cellvars)
+        return self.sealed(c, ("co", self.of(parts)))
+
+    def cls(self, c: type) -> Any:
+        """A class that has no importable name (defined in a function or by `exec`), by its
+        module, qualified name, metaclass, bases and own attributes (the module docstring)."""
+        self._in_code += 1
+        try:
+            return self.sealed(c, self._cls(c))
+        finally:
+            self._in_code -= 1
+
+    def _cls(self, c: type) -> Any:
+        attributes = []
+        for name, value in sorted(vars(c).items()):
+            if name in _DERIVED:
+                continue
+            if name == "_abc_impl" and isinstance(c, abc.ABCMeta):
+                value = _AbcRegistry(c)  # (the rest is caches)
+            self._where.append(f"attribute `{name}` of class `{c.__qualname__}`")
+            try:
+                attributes.append((name, self.of(value)))
+            finally:
+                self._where.pop()
+        parts = (c.__module__, c.__qualname__, self.of(type(c)), self.of(c.__bases__))
+        return ("K", *parts, tuple(attributes))
+
+    def sealed(self, x: Any, tok: Any) -> Any:
+        """A function's, code object's or class's token as its canonical bytes (hashed
+        once, compared cheaply on every call), or `x` by identity where `tok` holds a
+        part this process numbered."""
+        out: list[bytes] = []
+        if _serialise(tok, out):
+            return self.local(x, by_identity=True)
+        return ("c", b"".join(out))
 
     def treedef(self, treedef: Any) -> Any:
         data = treedef.node_data()
@@ -233,11 +392,59 @@ class _Tokens:
                 raise TypeError(
                     _errors.UNHASHABLE_STATIC.format(type=type(x).__qualname__)
                 ) from None
+        processes = _jax_internals.process_count()
+        if processes > 1:
+            raise ValueError(
+                _errors.NOT_CANONICAL.format(processes=processes, **self.why(x, by_identity))
+            )
         return (_LOCAL_TAG, _LOCAL.number(x, by_identity))
 
+    def why(self, x: Any, by_identity: bool) -> dict[str, str]:
+        """What `x` is and where (for `NOT_CANONICAL`), and why it has no canonical token."""
+        kind = type(x)
+        what = f"`{kind.__module__}.{kind.__qualname__}` object `{_short(x)}`"
+        if self._where:
+            what += " (" + ", in ".join(reversed(self._where)) + ")"
+        if isinstance(x, jax.Array):
+            why = "an array in a static part (a closure, a static field) is compared by identity"
+        elif isinstance(x, types.FunctionType):
+            why = "its globals are no module's (made by `exec`?): compared by identity"
+        elif by_identity:
+            why = "its class has no `__eq__`: compared by identity, a relation of one process"
+        else:
+            why = "it is compared by its class's `__eq__`, a relation each process numbers alone"
+        return {"what": what, "why": why}
 
-def _is_concrete_jax_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+def _short(x: Any) -> str:
+    try:
+        text = repr(x)
+    except Exception:
+        text = object.__repr__(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Class attributes that follow from the others (instance dictionaries and weak references
+# of a class without `__slots__`) or that name the class (in its token already).
+_DERIVED = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__"})
+_BY_SLOTS: dict[type, tuple[str, ...]] = {
+    dataclasses.Field: dataclasses.Field.__slots__,
+    type(getattr(dataclasses.make_dataclass("_", []), "__dataclass_params__")): type(
+        getattr(dataclasses.make_dataclass("_", []), "__dataclass_params__")
+    ).__slots__,
+}
+
+
+class _AbcRegistry:
+    """An ABC's registered virtual subclasses (`ABC.register`), the one part of its
+    `_abc_impl` that is not a cache."""
+
+    def __init__(self, c: abc.ABCMeta) -> None:
+        registry = abc._get_dump(c)[0]  # pyright: ignore[reportAttributeAccessIssue]
+        self.classes = frozenset(filter(None, (ref() for ref in registry)))
+
+
+_CODED: dict[int, tuple[Any, Any]] = {}  # id -> (function, code object or class, token)
 
 
 _NAMES: dict[int, tuple[Any, str | None]] = {}
@@ -271,9 +478,15 @@ def _importable_name(x: Any) -> str | None:
             found = importlib.import_module(module)
         except Exception:
             return None
+    where = found
     for part in qualname.split("."):
         found = getattr(found, part, None)
-    return f"{module}:{qualname}" if found is x else None
+    if found is x:
+        return f"{module}:{qualname}"
+    for name, value in list(vars(where).items()):  # bound under another name there
+        if value is x:  # (`jax.Array`, whose qualified name is `jaxlib._jax.Array`)
+            return f"{module}:{name}"
+    return None
 
 
 def _global_name(x: Any) -> str | None:
@@ -332,6 +545,18 @@ def _node_rule(x: Any) -> Any:
 
 
 _ABSENT = "\x00absent"  # a static field an `__init__` left unset (Equinox's `MISSING`)
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global (and attribute) names `code` and the code nested in it refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
+
+
+_EMPTY_CELL = "\x00empty"  # a closure cell not yet assigned
 _NODE_RULES: dict[type, Any] = {}
 
 

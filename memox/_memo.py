@@ -208,7 +208,7 @@ class Memoised:
         return strong(value), sub
 
     def store(self, slot: Memo, value: Any, deps: Sequence[Any], key: Any) -> tuple[Memo, Any]:
-        snapshot = pack(deps) if self.policy.snapshots else jnp.zeros((0,), jnp.uint8)
+        snapshot = pack(deps) if self.policy.snapshots else None
         return stored(slot, value, self.plan.spec, key, snapshot)
 
     def _merge(self, deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:

@@ -23,7 +23,7 @@ from . import _context, _errors, _jax_internals
 from ._jax_internals import trace_context
 from ._key import StaticKey, explicit_sharding, node_token, signature, static_key, token
 from ._policy import Policy
-from ._slot import Memo, Path, allocate, is_memo, path_name
+from ._slot import Memo, Path, allocate, conformed, is_memo, mesh_of, path_name
 from ._storage import Spec, packed_size
 
 
@@ -111,8 +111,9 @@ class Plan:
         """FLOPs of one computation (counted on first request, never while caching)."""
         return self.count()
 
-    def snapshot_bytes(self, policy: Policy) -> int:
-        return packed_size(self.deps) if policy.snapshots else 0
+    def snapshot_bytes(self, policy: Policy) -> int | None:
+        """The bytes of a snapshot of the dependencies, or None: no snapshot table."""
+        return packed_size(self.deps) if policy.snapshots else None
 
 
 _PLANS: dict[tuple[Method, StaticKey], Plan] = {}
@@ -275,25 +276,37 @@ class Call:
         parts, arrays = Parts.split(module)
         arg_parts, arg_arrays = Parts.split((args, kwargs))
         the_plan = plan(method, parts, arrays, arg_parts, arg_arrays)
-        slot = fit(method, frame, path, frame.store[path], the_plan)
+        slot = fit(method, frame, path, frame.store[path], the_plan, [*arrays, *arg_arrays])
         return cls(
             method, frame, path, module, parts, arrays, arg_parts, arg_arrays, the_plan, slot
         )
 
 
-def fit(method: Method, frame: _context.Frame, path: Path, slot: Memo, the_plan: Plan) -> Memo:
+def fit(
+    method: Method,
+    frame: _context.Frame,
+    path: Path,
+    slot: Memo,
+    the_plan: Plan,
+    inputs: Sequence[Any] = (),
+) -> Memo:
     """`slot` with room for the value of `the_plan`, allocated where the structure may
-    change; an error where it may not (inside a loop body, or another cached method)."""
+    change (on the mesh of the concrete `inputs`, the module's arrays and the call's);
+    an error where it may not (inside a loop body, or another cached method)."""
     snapshot_bytes = the_plan.snapshot_bytes(method.policy)
     if slot.holds(the_plan.spec, snapshot_bytes):
         return slot
     where = dict(method=method.qualname, slot=path_name(path), new=the_plan.spec.describe())
     if frame.method is not None:
         raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))
-    # An empty slot is never a loop carry (its markers are not arrays), but an allocated
-    # one may be, and then it cannot change shape.
+    # An empty slot allocated in a loop's carry makes the loop raise (JAX names the
+    # marker's type, which says to call `memox.init`); an allocated one cannot change
+    # shape there.
     loop = _jax_internals.inside_loop_body()
     if slot.allocated and loop is not None:
         old = f"{slot.value.dtype}{list(slot.value.shape[1:])} (as stored)"
         raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
-    return allocate(slot, the_plan.spec, snapshot_bytes)
+    # (Inside a trace, where no concrete mesh is known, `conformed` gives the table the
+    # value's sharding where it is part of the type: `memox.init`'s discovery reads it.)
+    new = allocate(slot, the_plan.spec, snapshot_bytes, mesh_of(inputs))
+    return conformed(new, the_plan.spec, list(inputs))

@@ -21,6 +21,15 @@ This module is that mechanism, in one place for both wrappers:
   `lax.cond(valid, row, hash)`: the in-graph hash stays in the program, and runs only
   when the row is not valid. A donated, new or mutated input is a new object: its row
   is not valid, and it is hashed. Never stale.
+
+**Several processes.** Whatever reaches a compiled program must be the same in every
+process. A program over the devices of several processes (an input array that is not
+fully addressable) gets a table with no valid row, the same zeros in every process: a
+row's validity comes from this process's own history (the object seen at the previous
+call), which nothing makes equal across processes, and a process that skipped the hash
+while another ran it would skip the collective inside it. Every dependency is hashed
+in-graph there (one fused pass, and one all-reduce of two words per sharded array). A
+program over this process's devices alone keeps its table.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from . import _jax_internals
 from ._fingerprint import array_fingerprint, is_concrete_array, known
 
 
@@ -83,14 +93,19 @@ class Inputs:
                 if all(ref() is arrays[i] for i, ref in checked):
                     return ready
         table = np.zeros((len(arrays), 3), np.uint32)
+        if _across_processes(arrays):
+            return table  # no valid row: the same table in every process
         last, rows = self._last, []
         for i in dependencies:
             if i >= len(arrays):
                 continue
             x = arrays[i]
             seen = last.get(i)
+            fingerprint = None
             if seen is not None and seen() is x and not x.is_deleted():
-                table[i, :2] = known.host(x)
+                fingerprint = known.host(x)
+            if fingerprint is not None:
+                table[i, :2] = fingerprint
                 table[i, 2] = 1
                 rows.append((i, seen))  # the reference checked, not `last[i]` again
             elif is_concrete_array(x):
@@ -119,6 +134,17 @@ class Inputs:
         for i in self.dependencies:
             if i < len(arrays) and is_concrete_array(arrays[i]) and i not in self._last:
                 self._last[i] = weakref.ref(arrays[i])
+
+
+def _across_processes(arrays: Sequence[Any]) -> bool:
+    """Whether the call runs one program over the devices of several processes (an input
+    is not fully addressable), where the table must say the same in every process: which
+    arrays a process saw at its previous call is its own history, so no row is valid
+    there, and every dependency is hashed in-graph (a hash of the global value, the same
+    in every process)."""
+    if _jax_internals.process_count() == 1:
+        return False
+    return any(is_concrete_array(x) and not x.is_fully_addressable for x in arrays)
 
 
 # `memox.filter_jit` hashes inputs smaller than this in-graph, without a `lax.cond`: on

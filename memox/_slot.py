@@ -1,13 +1,15 @@
 """`Memo`: the cache slot, a fixed-shape table of stored values.
 
-A slot is an ordinary pytree node with eight leaves and one static field, `size` (the
-number of entries `K`, 1 unless declared `Memo(size=K)`). Empty (`Memo()`), each leaf is
-the `EMPTY` marker. Allocated, they are fixed-shape arrays whatever the slot's state:
+A slot is an ordinary pytree node with eight fields and one static field, `size` (the
+number of entries `K`, 1 unless declared `Memo(size=K)`). Empty (`Memo()`), each field
+holds the `EMPTY` marker, the integer 0 marked as such. Allocated, the fields are
+fixed-shape arrays whatever the slot's state:
 
 - per entry (leading axis `K`): `value`, the value's bits (see `_storage.py`); `valid`;
   `key`, the 64-bit fingerprint it was computed from; `age`, hits since then; `used`,
   when it was last used (least-recently-used eviction); `snapshot`, the dependencies'
-  bytes where the policy needs them (`Drift`), else zero bytes;
+  bytes where the policy keeps them (`Drift`; under every other policy `None`, no leaf:
+  checkpointers refuse a zero-size array);
 - for the slot: `hits` and `misses`, `int32` counters.
 
 No leaf is an inexact array: slots are invisible to `eqx.filter(...,
@@ -15,9 +17,23 @@ eqx.is_inexact_array)`, to `eqx.filter_grad` and to every optax optimizer. A slo
 metadata that depends on its contents (how to decode `value` is known to the cached
 method), so allocating, filling, hitting and invalidating never change the tree
 structure: a filter spec or an optimizer state made from a freshly constructed model
-fits it for good, and an allocated slot is legal as a `lax.scan` carry and never
-retraces. (An empty slot's markers are not arrays: `eqx.filter_jit` treats them as
-static, while `jax.jit` and `lax.scan` need the module allocated by `memox.init`.)
+fits it for good (an empty field is a leaf where the allocated slot has an array, and
+an unused `snapshot` is `None` in both once filtered), and an allocated slot is legal as
+a `lax.scan` carry and never retraces.
+
+The marker is an integer so that every checkpointer writes a model with empty slots, or
+a `memox.strip`ped one, as it is and reads it back (orbax and Equinox rebuild a leaf as
+`type(like)(value)`), and `eqx.filter_jit` treats it as static. Passed through `jax.jit`
+or `lax.scan` it becomes a traced integer, which memox cannot allocate in place (a loop
+carry would change type): `allocate` refuses it, naming `memox.init`. A slot is
+allocated while its `value` has the entries' axis (`Memo.allocated`): a 0-d value, the
+marker as `jax.eval_shape` or a checkpoint gave it back, is an empty slot.
+
+Allocated tables are placed where they will stay (`allocate`): on a mesh, as global
+arrays over the mesh of the module's arrays, the value table sharded like the value
+where its sharding is part of its type (`Explicit` axes), everything else replicated;
+so the first call changes no slot's type or placement (no retrace, no resharding of a
+donated buffer, the same `lax.scan` carry type).
 """
 
 from __future__ import annotations
@@ -26,7 +42,7 @@ import dataclasses
 import functools
 import sys
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
@@ -34,12 +50,13 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Int, PyTree, UInt8, UInt32
 
 from . import _errors
 from ._fingerprint import is_concrete_array
 from ._hoist import Hoisted as Hoisted
+from ._key import explicit_sharding
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -55,35 +72,39 @@ else:
     Size = Any
 
 
-class _Empty:
-    """The leaves of an empty slot."""
+class _Empty(int):
+    """The fields of an empty slot: the integer 0, marked.
+
+    A leaf, where an allocated slot has its arrays: `eqx.filter(model, ...)` takes both
+    out alike, so a filter spec or an optimizer state made from a freshly constructed
+    model fits the model once allocated. An integer: every checkpointer writes it and
+    reads it back (orbax and Equinox rebuild a leaf as `type(like)(value)`: the marker),
+    and `eqx.filter_jit` treats it as static. Through `jax.jit` or `lax.scan` it becomes
+    a traced 0-d integer, which `allocate` refuses with the fix."""
 
     _instance: _Empty | None = None
 
-    def __new__(cls) -> _Empty:
+    def __new__(cls, _value: int = 0) -> _Empty:
         if cls._instance is None:
-            cls._instance = super().__new__(cls)
+            cls._instance = super().__new__(cls, 0)
         return cls._instance
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _empty, ()
 
     def __repr__(self) -> str:
-        # Shown by JAX when an empty slot reaches `jax.jit` or `lax.scan` as an argument.
         return (
             "<empty memox.Memo slot: allocate it first with `module = memox.init(module)`, "
             "or `memox.init(module, fn, *args)` for a method that takes arguments>"
         )
 
 
-# JAX names only the type of a non-array argument it refuses (`jax.jit`, `lax.scan`): the
-# type's name says what to do.
 _Empty.__module__ = "memox"
-_Empty.__qualname__ = _Empty.__name__ = "EmptySlot (allocate it with `memox.init(module)`)"
+_Empty.__qualname__ = _Empty.__name__ = "EmptySlot"
 
 EMPTY = _Empty()
 
-# A leaf of a slot: `Leaf[X]` is the array `X` once the slot is allocated, the `EMPTY`
+# A field of a slot: `Leaf[X]` is the array `X` once the slot is allocated, the `EMPTY`
 # marker before (or `None` where `eqx.filter` took the slot out), and is checked as
 # exactly that at run time. Static checkers see `X | Any`: memox reads a slot's leaves
 # only where `slot.allocated` holds, which they cannot narrow the leaves by.
@@ -155,18 +176,22 @@ class Memo(eqx.Module, Generic[T]):
 
     @property
     def allocated(self) -> bool:
-        """Whether the slot holds arrays (`False` when empty, or when filtered out)."""
-        return self.value is not EMPTY and self.value is not None
+        """Whether the slot holds its tables (`False` when empty, or when filtered out).
+        A table has its entries along a leading axis; a 0-d `value` is the `EMPTY` marker,
+        or what it became through `jax.jit`, `jax.eval_shape` or a checkpoint."""
+        return getattr(self.value, "ndim", 0) > 0
 
-    def holds(self, spec: Spec, snapshot_bytes: int) -> bool:
-        """Whether this slot is allocated for values of `spec` (and such snapshots)."""
+    def holds(self, spec: Spec, snapshot_bytes: int | None) -> bool:
+        """Whether this slot is allocated for values of `spec` (and such snapshots; None:
+        no snapshot table)."""
         if not self.allocated:
             return False
         shape, dtype = storage_struct(spec)
-        return (self.value.shape, self.value.dtype, self.snapshot.shape) == (
+        snapshot = self.snapshot.shape[1] if eqx.is_array(self.snapshot) else None
+        return (self.value.shape, self.value.dtype, snapshot) == (
             (self.size, *shape),
             dtype,
-            (self.size, snapshot_bytes),
+            snapshot_bytes,
         )
 
 
@@ -195,32 +220,100 @@ def is_memo_annotation(annotation: Any) -> bool:
     return annotation is Memo or typing.get_origin(annotation) is Memo
 
 
-# The leaves that hold entries (the rest are counters).
+# The fields that hold entries (the rest are counters).
 ENTRY_FIELDS = ("value", "valid", "key", "snapshot")
+FIELDS = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
 
 
 def is_memo(x: Any) -> bool:
     return isinstance(x, Memo)
 
 
-def allocate(slot: Memo, spec: Spec, snapshot_bytes: int) -> Memo:
+def is_empty(x: Any) -> bool:
+    """Whether `x` is a slot as declared, not yet allocated (not a filter's image of a
+    slot, whose fields are `None`)."""
+    return isinstance(x, Memo) and x.value is not None and not x.allocated
+
+
+def allocate(slot: Memo, spec: Spec, snapshot_bytes: int | None, mesh: Mesh | None = None) -> Memo:
     """`slot` with room for values of `spec`, every entry invalid. Costs no FLOPs.
 
-    Hit and miss counts carry over from an allocated `slot`."""
+    With a `mesh` (that of the module's arrays, `mesh_of`), the tables are global arrays
+    over it, placed as they will stay: the value table sharded like the value where that
+    sharding is part of its type (`Explicit` axes), every other leaf replicated. No
+    snapshot table unless the policy keeps snapshots (`snapshot_bytes` is not None):
+    checkpointers refuse a zero-size array. Hit and miss counts carry over from
+    an allocated `slot`."""
+    traced = isinstance(slot.value, jax.Array) and not is_concrete_array(slot.value)
+    if traced and not slot.allocated:
+        raise TypeError(_errors.EMPTY_TRACED)
     k = slot.size
     shape, dtype = storage_struct(spec)
+    explicit = spec.types[0].sharding if not spec.packed and spec.types else None
     # A buffer per leaf: `memox.jit` donates slot leaves, and a buffer is donated once.
     return Memo(
-        value=jnp.zeros((k, *shape), dtype),
-        valid=jnp.zeros((k,), jnp.bool_),
-        key=jnp.zeros((k, KEY_WORDS), jnp.uint32),
-        age=jnp.zeros((k,), jnp.int32),
-        used=jnp.zeros((k,), jnp.int32),
-        snapshot=jnp.zeros((k, snapshot_bytes), jnp.uint8),
-        hits=slot.hits if slot.allocated else jnp.zeros((), jnp.int32),
-        misses=slot.misses if slot.allocated else jnp.zeros((), jnp.int32),
+        value=_zeros((k, *shape), dtype, mesh, _table_spec(explicit, len(shape))),
+        valid=_zeros((k,), jnp.bool_, mesh),
+        key=_zeros((k, KEY_WORDS), jnp.uint32, mesh),
+        age=_zeros((k,), jnp.int32, mesh),
+        used=_zeros((k,), jnp.int32, mesh),
+        snapshot=None if snapshot_bytes is None else _zeros((k, snapshot_bytes), jnp.uint8, mesh),
+        hits=slot.hits if slot.allocated else _zeros((), jnp.int32, mesh),
+        misses=slot.misses if slot.allocated else _zeros((), jnp.int32, mesh),
         size=k,
     )
+
+
+def allocate_like(shapes: Memo, mesh: Mesh | None = None) -> Memo:
+    """A slot of zeros shaped like `shapes` (a slot of `jax.ShapeDtypeStruct`s, as from
+    `jax.eval_shape`), placed on `mesh` as `allocate` places it."""
+
+    def zeros(name: str, s: jax.ShapeDtypeStruct) -> Array:
+        explicit = explicit_sharding(s) if name == "value" else None  # (the table's)
+        return _zeros(s.shape, s.dtype, mesh, None if explicit is None else explicit.spec)
+
+    return dataclasses.replace(
+        shapes,
+        **{
+            f: zeros(f, x)
+            for f in FIELDS
+            if isinstance(x := getattr(shapes, f), jax.ShapeDtypeStruct)
+        },
+    )
+
+
+def mesh_of(arrays: Iterable[Any]) -> Mesh | None:
+    """The mesh that concrete `arrays` are laid out on (the first found with a
+    `NamedSharding`), or where none is concrete the mesh set by `jax.set_mesh`; None
+    where there is none (inside a trace, `conformed` gives a table its type)."""
+    concrete = False
+    for x in arrays:
+        if not is_concrete_array(x):
+            continue
+        concrete, sharding = True, x.sharding
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    if concrete:  # on one device: where `jnp.zeros` puts them
+        return None
+    try:
+        found = jax.sharding.get_mesh()
+    except ValueError:  # inside `jax.jit`
+        return None
+    return found if isinstance(found, Mesh) and not found.empty else None
+
+
+def _table_spec(value: NamedSharding | None, ndim: int) -> PartitionSpec:
+    """The spec of a table (entries along a replicated leading axis) whose entries have
+    `ndim` axes and are sharded like `value` (complex parts, keys: trailing axes)."""
+    if value is None:
+        return PartitionSpec()
+    return PartitionSpec(None, *value.spec, *(None,) * (ndim - len(value.spec)))
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Mesh | None, spec: Any = None) -> Array:
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec or PartitionSpec()))
 
 
 # The table operations are jitted: an eager `memox.call` then dispatches a few compiled
@@ -257,11 +350,11 @@ def touched(slot: Memo, index: Array) -> Memo:
 
 @functools.partial(jax.jit, static_argnums=2)
 def stored(
-    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array
+    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
 ) -> tuple[Memo, Array]:
     """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
-    over the entry holding `key` if any, else an empty or the least recently used one;
-    and that entry's index."""
+    over the entry holding `key` if any, else an empty or the least recently used one,
+    with the dependencies' `snapshot` where the slot keeps them; and that entry's index."""
     same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
     oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
@@ -272,7 +365,9 @@ def stored(
         key=slot.key.at[index].set(key),
         age=slot.age.at[index].set(0),
         used=slot.used.at[index].set(_clock(slot)),
-        snapshot=_put(slot.snapshot, snapshot, index),
+        snapshot=slot.snapshot
+        if snapshot is None or not eqx.is_array(slot.snapshot)  # no snapshot table
+        else _put(slot.snapshot, snapshot, index),
         misses=slot.misses + 1,
     )
     return new, index
@@ -310,8 +405,7 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
     if spec.packed or not spec.types or spec.types[0].sharding is None:
         return slot
     sharding = spec.types[0].sharding
-    extra = (None,) * (slot.value.ndim - 1 - len(sharding.spec))  # complex parts, keys
-    want = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec, *extra))
+    want = NamedSharding(sharding.mesh, _table_spec(sharding, slot.value.ndim - 1))
     if jax.typeof(slot.value).sharding == want:
         return slot
     mesh = sharding.mesh
@@ -331,7 +425,7 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
             return jax.device_put(x, target)
         return jax.sharding.reshard(x, target)
 
-    fields = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
+    fields = [f for f in FIELDS if eqx.is_array(getattr(slot, f))]
     return dataclasses.replace(slot, **{f: place(f, getattr(slot, f)) for f in fields})
 
 

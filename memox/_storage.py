@@ -238,7 +238,18 @@ def pack(value: PyTree[Array]) -> Array:
     leaves = [as_data(x) for x in jtu.tree_leaves(value)]
     if not leaves:
         return jnp.zeros((0,), jnp.uint8)
-    return jnp.concatenate([_to_bytes(x) for x in leaves])
+    return jnp.concatenate([_replicated(_to_bytes(x)) for x in leaves])
+
+
+def _replicated(x: Array) -> Array:
+    """`x` replicated where its sharding is part of its type (`Explicit` mesh axes): the
+    bytes of leaves sharded apart are concatenated into one replicated vector."""
+    sharding = explicit_sharding(jax.typeof(x))
+    if sharding is None or all(p is None for p in sharding.spec):
+        return x
+    return jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    )
 
 
 def unpack(stored: Array, spec: Spec) -> PyTree[Array]:

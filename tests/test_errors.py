@@ -129,18 +129,30 @@ class Keyed(eqx.Module):
         return self.w * x
 
 
-def test_unallocated_slot_as_scan_carry():
+# An empty slot in a loop's carry is a traced 0-d integer, which memox cannot allocate
+# without changing the carry's type: memox's error names the fix.
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+def test_unallocated_slot_as_loop_carry_names_init(loop):
     m = memox.init(Keyed(jnp.ones(3)))  # takes an argument: not allocated by init(m)
 
     def body(m, x):
         y, m = memox.call(m, Keyed.apply, x)
         return m, y
 
+    run = {
+        "scan": lambda m: jax.lax.scan(body, m, jnp.ones((4, 3))),
+        "fori_loop": lambda m: jax.lax.fori_loop(0, 2, lambda i, m: body(m, jnp.ones(3))[0], m),
+        "while_loop": lambda m: jax.lax.while_loop(
+            lambda m: False, lambda m: body(m, jnp.ones(3))[0], m
+        ),
+    }[loop]
     with pytest.raises(TypeError) as excinfo:
-        jax.lax.scan(body, m, jnp.ones((4, 3)))
+        run(m)
     assert "`memox.init(module, fn, *args)` for a method that takes arguments" in str(
         excinfo.value
     )
+    if loop != "scan":
+        return
     # The fix works:
     m = memox.init(m, Keyed.apply, jnp.ones(3))
     m, ys = jax.lax.scan(body, m, jnp.ones((4, 3)))
@@ -153,8 +165,29 @@ def test_empty_no_argument_slot_as_scan_carry_names_init():
     def body(f, _):
         return memox.call(f, Foo.b)[1], None
 
-    with pytest.raises(TypeError, match=r"allocate it first with `module = memox.init\(module\)`"):
+    with pytest.raises(TypeError, match=r"Allocate it first with `module = memox.init\(module\)`"):
         jax.lax.scan(body, f, length=2)
+    # The fix works:
+    f, _ = jax.lax.scan(body, memox.init(f), length=2)
+    assert memox.stats(f)["b_cache"] == memox.SlotStats(hits=1, misses=1)
+
+
+# The same for `jax.jit`'s arguments (`eqx.filter_jit`, `memox.jit` and `memox.filter_jit`
+# allocate before tracing, and a module closed over is allocated in the trace).
+def test_jax_jit_of_a_call_on_an_empty_module_names_init():
+    c = Counter()
+
+    @jax.jit
+    def step(f):
+        return memox.call(f, Foo.b)
+
+    with pytest.raises(TypeError, match=r"Allocate it first with `module = memox.init\(module\)`"):
+        step(foo(c))
+    f = memox.init(foo(c))
+    for _ in range(3):
+        b, f = step(f)
+    assert c.n == 1 and memox.stats(f)["b_cache"] == memox.SlotStats(hits=2, misses=1)
+    np.testing.assert_array_equal(b, jnp.sum(f.a))
 
 
 def test_reshaped_slot_inside_scan():

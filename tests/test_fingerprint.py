@@ -1,5 +1,7 @@
 """Fingerprints detect changes; stored values round-trip bit for bit in every dtype."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,3 +222,20 @@ def test_sub_byte_values_round_trip_alone_and_packed(dtype, shape):
                 np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8)
             )
     assert encode(x, Spec.of(x)).shape == shape
+
+
+def test_a_64_bit_array_read_with_x64_off_is_fingerprinted_as_computed():
+    # Found by the fuzzer: an array made under x64 and read after x64 is switched off was
+    # bit-cast to `uint64` (JAX warned and truncated). Its fingerprint is now that of the
+    # value a computation reads (converted as `jax.jit` converts it), on host and device.
+    from memox._fingerprint import array_fingerprint, canonical, host_fingerprint
+
+    with jax.enable_x64(True):
+        wide = jnp.asarray([1.0 + 2.0**-40, 1.5])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*bitcast_convert_type.*")
+        narrow = wide.astype(jnp.float32)
+        assert canonical(wide).dtype == jnp.float32
+        device = np.asarray(array_fingerprint(wide))
+        assert np.array_equal(device, np.asarray(array_fingerprint(narrow)))
+        assert np.array_equal(device, host_fingerprint(canonical(np.asarray(wide))))

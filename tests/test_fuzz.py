@@ -483,10 +483,14 @@ def _serialise(state):
         model,
         (jax.random.key_data(model.key), jnp.asarray(np.asarray(model.t).view(np.uint8))),
     )
+    # A 64-bit leaf (made by an op under x64) is written as 32 bits outside x64 mode, and
+    # Equinox then refuses to read it back (with or without memox).
+    wide = any(x.dtype.itemsize == 8 for x in jax.tree.leaves(as_data) if eqx.is_array(x))
     buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, as_data)
-    buffer.seek(0)
-    loaded = eqx.tree_deserialise_leaves(buffer, as_data)
+    with jax.enable_x64(wide or jax.config.jax_enable_x64):
+        eqx.tree_serialise_leaves(buffer, as_data)
+        buffer.seek(0)
+        loaded = eqx.tree_deserialise_leaves(buffer, as_data)
     t = jnp.asarray(np.asarray(loaded.t).view(model.t.dtype))
     state.model = eqx.tree_at(
         lambda m: (m.key, m.t), loaded, (jax.random.wrap_key_data(loaded.key), t)

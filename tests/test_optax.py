@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Counter
+from helpers import Counter, Spectral
 
 import memox
-from memox import Memo
 
 
 @pytest.fixture(autouse=True)
@@ -18,24 +17,6 @@ def _standard_promotion():
     # promotion of conftest.py refuses; memox's code stays under strict promotion elsewhere.
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-class Spectral(eqx.Module):
-    """A frozen graph Laplacian (expensive eigenbasis) and a trainable head."""
-
-    laplacian: jax.Array
-    head: jax.Array
-    counter: Counter = eqx.field(static=True)
-    eig_cache: Memo[tuple[jax.Array, jax.Array]] = Memo()
-
-    @memox.cached("eig_cache")
-    def basis(self):
-        self.counter.tick()
-        return jnp.linalg.eigh(self.laplacian)
-
-    def __call__(self, x):
-        _, vecs = self.basis()
-        return jnp.tanh(x @ vecs) @ self.head
 
 
 def _problem(counter):

@@ -53,6 +53,15 @@ CHILD = textwrap.dedent(
             return _normalised(self.w)
 
 
+    class Scaled(eqx.Module):
+        w: jax.Array
+        cache: Memo[jax.Array] = Memo(size=2)
+
+        @memox.cached("cache")
+        def scaled(self, s):
+            return self.w * s
+
+
     def _normalised(w):
         return w / jnp.linalg.norm(w, axis=1, keepdims=True)
 
@@ -142,8 +151,122 @@ CHILD = textwrap.dedent(
         return {"types": specs, "counts": [int(stats.hits), int(stats.misses)],
                 "value_err": float(np.abs(np.asarray(value) - REF_VALUE).max())}
 
+    def first_call_keeps_types(axis_type):
+        # `memox.init` allocates every table with the type and placement the first call
+        # gives it: no retrace, no unusable donated buffer, the same `lax.scan` carry type.
+        import contextlib
+        import warnings
+
+        mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(getattr(AxisType, axis_type),) * 2)
+        out = {}
+        # Explicit axes in `jax.set_mesh`, as a user of them writes; Auto axes without.
+        context = jax.set_mesh(mesh) if axis_type == "Explicit" else contextlib.nullcontext()
+        with context, warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Some donated buffers were not usable"
+            w = jax.device_put(W[:16, :16], NamedSharding(mesh, P("x", None)))
+            x = jax.device_put(X[:16], NamedSharding(mesh, P()))
+            m = memox.init(Layer(w))
+            types = lambda m: [str(jax.typeof(l)) for l in jax.tree.leaves(m.cache)]
+            meshes = lambda m: [len(l.sharding.device_set) for l in jax.tree.leaves(m.cache)]
+            out["types_init"], out["meshes_init"] = types(m), meshes(m)
+            traces = []
+
+            def f(m, x):
+                traces.append(None)
+                return m.normalised() @ x
+
+            step, mm = memox.jit(f), m
+            for _ in range(3):
+                y, mm = step(mm, x)
+            out["memox_jit_traces"], out["types_after"] = len(traces), types(mm)
+            jitted, mm = jax.jit(lambda m, x: memox.call(m, lambda m: f(m, x))), m
+            del traces[:]
+            for _ in range(3):
+                y, mm = jitted(mm, x)
+            out["jax_jit_traces"] = len(traces)
+
+            def body(m, x):
+                y, m = memox.call(m, lambda m: m.normalised() @ x)
+                return m, y
+
+            # A method with an argument: `memox.init(module, fn, *args)` allocates it.
+            del traces[:]
+            scaled = memox.jit(lambda m, s: (traces.append(None), m.scaled(s))[1])
+            keyed = memox.init(Scaled(w), Scaled.scaled, 2.0)
+            out["keyed_types_init"] = [str(jax.typeof(l)) for l in jax.tree.leaves(keyed)]
+            for _ in range(3):
+                _, keyed = scaled(keyed, 2.0)
+            out["keyed_types_after"] = [str(jax.typeof(l)) for l in jax.tree.leaves(keyed)]
+            out["keyed_traces"] = len(traces)
+            mm, ys = jax.lax.scan(body, memox.init(Layer(w)), jnp.stack([x, x, x]))
+            counts = memox.stats(mm)["cache"]
+            out["scan_counts"] = [int(counts.hits), int(counts.misses)]
+            out["y_err"] = float(np.abs(np.asarray(ys[-1]) - np.asarray(
+                jax.jit(lambda w, x: _normalised(w) @ x)(W[:16, :16], X[:16]))).max())
+        return out
+
+
+    def checkpoint_part():
+        # A model with sharded weights and a filled slot restores with the shardings the
+        # target carries; the next call neither fails nor retraces (issue 19).
+        import tempfile
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError:
+            return {"skipped": "orbax-checkpoint is not installed"}
+        mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+        out = {}
+        with jax.set_mesh(mesh):
+            w = jax.device_put(W[:16, :16], NamedSharding(mesh, P("x", None)))
+            x = jax.device_put(X[:16], NamedSharding(mesh, P()))
+            traces = []
+
+            def f(m, x):
+                traces.append(None)
+                return m.normalised() @ x
+
+            step = memox.jit(f)
+            y, m = step(memox.init(Layer(w)), x)
+            def same_shardings(a, b):
+                pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+                return all(x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in pairs)
+
+            path = tempfile.mkdtemp()
+            with ocp.StandardCheckpointer() as ck:
+                ck.save(path + "/ckpt", m)
+                ck.wait_until_finished()
+                # On an Explicit mesh `jax.eval_shape` gives abstract meshes, which orbax
+                # cannot place: the target's shardings come from the model's arrays.
+                target = jax.tree.map(ocp.utils.to_shape_dtype_struct, m)
+                restored = ck.restore(path + "/ckpt", target)
+            out["orbax_shardings_kept"] = same_shardings(restored, m)
+            y2, restored = step(restored, x)
+            out["orbax_traces"] = len(traces)
+            out["orbax_counts"] = [int(memox.stats(restored)["cache"].hits),
+                                   int(memox.stats(restored)["cache"].misses)]
+            out["orbax_same"] = bool(np.array_equal(np.asarray(y2), np.asarray(y)))
+            eqx.tree_serialise_leaves(path + "/m.eqx", m)
+            like = memox.init(Layer(w))
+            plain = eqx.tree_deserialise_leaves(path + "/m.eqx", like)
+            out["eqx_default_shardings_kept"] = same_shardings(plain, m)
+
+            def keep_sharding(f, x):  # as docs/howto/checkpoints.md shows
+                y = eqx.default_deserialise_filter_spec(f, x)
+                return jax.device_put(y, x.sharding) if isinstance(x, jax.Array) else y
+
+            kept = eqx.tree_deserialise_leaves(path + "/m.eqx", like, filter_spec=keep_sharding)
+            out["eqx_shardings_kept"] = same_shardings(kept, m)
+            y3, kept = step(kept, x)
+            out["eqx_traces"] = len(traces)
+            out["eqx_counts"] = [int(memox.stats(kept)["cache"].hits),
+                                 int(memox.stats(kept)["cache"].misses)]
+        return out
+
     results = {}
     parts = {
+        "first_call_explicit": lambda: first_call_keeps_types("Explicit"),
+        "first_call_auto": lambda: first_call_keeps_types("Auto"),
+        "checkpoint": checkpoint_part,
         "reshard_eager": lambda: explicit_reshard("eager"),
         "reshard_memox_jit": lambda: explicit_reshard("memox.jit"),
         "reshard_filter_jit": lambda: explicit_reshard("filter_jit"),
@@ -250,3 +373,36 @@ def test_shard_map_per_shard_module_without_vma_checks(child):
     part = _ok(child["shard_map_unchecked"])
     assert part["y_err"] <= TOL
     assert part["counts"] == [[1, 1]] * 8  # each shard: one miss, then one hit
+
+
+# Regression guard (issue 19): on an Explicit mesh `memox.init` allocated an unsharded
+# table that the first call resharded, so the slot's type changed: `memox.jit` traced
+# twice and warned "Some donated buffers were not usable", and a `lax.scan` whose carry
+# came from `memox.init` failed. Tables are now global arrays over the module's mesh.
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_first_call_keeps_the_slot_types_memox_init_gives(child, axis_type):
+    part = _ok(child[f"first_call_{axis_type}"])
+    assert part["types_after"] == part["types_init"]
+    assert set(part["meshes_init"]) == {8}  # every leaf a global array over the mesh
+    if axis_type == "explicit":  # the table is sharded like the value: rows over "x"
+        assert part["types_init"][0] == "uint32[1,16@x,16]", part["types_init"]
+    assert part["memox_jit_traces"] == 1 and part["jax_jit_traces"] == 1
+    assert part["keyed_types_after"] == part["keyed_types_init"]
+    assert part["keyed_traces"] == 1
+    assert part["scan_counts"] == [2, 1] and part["y_err"] <= TOL
+
+
+# Regression guard (issue 19): a restored model must keep its weights' and slots'
+# shardings, hit, and not retrace the step compiled before the checkpoint.
+def test_checkpoint_restores_shardings_and_hits(child):
+    part = _ok(child["checkpoint"])
+    if "skipped" in part:
+        pytest.skip(part["skipped"])
+    assert part["orbax_shardings_kept"]
+    assert part["orbax_same"] and part["orbax_traces"] == 1
+    assert part["orbax_counts"] == [1, 1]
+    # `eqx.tree_deserialise_leaves` loads single-device arrays (its default `jnp.load`);
+    # a filter spec that puts each leaf where `like`'s is keeps them.
+    assert not part["eqx_default_shardings_kept"]
+    assert part["eqx_shardings_kept"] and part["eqx_traces"] == 1
+    assert part["eqx_counts"] == [1, 1]
