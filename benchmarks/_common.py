@@ -166,9 +166,10 @@ def compile_row(name: str, probe: dict[str, float], steady_s: float, traces: int
 
 
 def slot_bytes(slot: Any) -> dict[str, int]:
-    """Bytes of each leaf of an allocated `memox.Memo` slot, by field name."""
+    """Bytes of each leaf of an allocated `memox.Memo` slot, by field name (a field the
+    slot does not use, `snapshot` but under `Drift`, holds no array: 0 bytes)."""
     fields = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
-    return {f: int(getattr(slot, f).nbytes) for f in fields}
+    return {f: int(getattr(getattr(slot, f), "nbytes", 0)) for f in fields}
 
 
 def is_gpu() -> bool:
