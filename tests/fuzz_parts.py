@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import operator
 import struct
-import threading
 import warnings
 import zlib
 
@@ -278,25 +277,3 @@ def one_element_changed(x, index):
 
 
 # -- 8. threads --------------------------------------------------------------------------
-
-
-def run_threads(target, n=2):
-    """Run `target(i, barrier)` on `n` threads at once; re-raise the first error."""
-    barrier = threading.Barrier(n, timeout=120)
-    errors = []
-
-    def guarded(i):
-        try:
-            target(i, barrier)
-        except BaseException as e:  # reported on the main thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]

@@ -2,6 +2,7 @@
 statistics and jaxprs."""
 
 import contextlib
+import threading
 
 import equinox as eqx
 import jax
@@ -156,3 +157,25 @@ class Spectral(eqx.Module):
     def __call__(self, x):
         _, vecs = self.basis()
         return jnp.tanh(x @ vecs) @ self.head
+
+
+def run_threads(target, n=2):
+    """Run `target(i, barrier)` on `n` threads at once; re-raise the first error."""
+    barrier = threading.Barrier(n, timeout=120)
+    errors = []
+
+    def guarded(i):
+        try:
+            target(i, barrier)
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]

@@ -54,9 +54,9 @@ from fuzz_parts import (
     one_element_changed,
     part_index,
     random_bits,
-    run_threads,
     use_part,
 )
+from helpers import run_threads
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import memox

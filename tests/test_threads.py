@@ -3,14 +3,13 @@ other's slots: each call's frame is on its own thread's stack. Threads sharing o
 compiled wrapper (`memox.jit`, `memox.filter_jit`) never get each other's fingerprints."""
 
 import sys
-import threading
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, run_threads
 
 import memox
 from memox import Memo
@@ -28,28 +27,6 @@ class Scaled(eqx.Module):
     def total(self):
         self.counter.tick()
         return jnp.sum(self.a)
-
-
-def _run_threads(target, n=2):
-    """Run `target(i, barrier)` on `n` threads at once; re-raise the first error."""
-    barrier = threading.Barrier(n)
-    errors = []
-
-    def guarded(i):
-        try:
-            target(i, barrier)
-        except BaseException as e:  # reported on the main thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -77,7 +54,7 @@ def test_concurrent_calls_on_different_modules(mode):
             results[i].append(float(out))
         finals[i] = m
 
-    _run_threads(work)
+    run_threads(work)
     for i in range(2):
         np.testing.assert_array_equal(results[i], [expected[i]] * ITERATIONS)
         misses = ITERATIONS // 10
@@ -101,7 +78,7 @@ def test_concurrent_first_traces_of_one_method():
             outs[i], m = step(m)
         finals[i] = m
 
-    _run_threads(work)
+    run_threads(work)
     for i in range(2):
         assert float(outs[i]) == 21.0 * (i + 1)
         assert counters[i].n == 1
@@ -167,7 +144,7 @@ def test_shared_wrapper_never_gives_one_thread_anothers_fingerprint(wrapper):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: adversarial
     try:
-        _run_threads(work, n=THREADS)
+        run_threads(work, n=THREADS)
     finally:
         sys.setswitchinterval(interval)
     assert wrong == [0] * THREADS
