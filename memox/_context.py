@@ -41,11 +41,11 @@ from ._slot import (
     SlotSite,
     entry,
     lookup,
+    passed_on,
     path_name,
     replace_slots,
     slot_sites,
     slots,
-    touched,
 )
 from ._storage import Spec
 
@@ -226,8 +226,7 @@ class Pins:
         """The value of a claimed call on `slot` (holding values of `spec`), and the slot
         after it: entries passed on as the very arrays that came in, counters touched."""
         value, index = self._read(slot, spec)
-        after = touched(slot, index)  # (jitted: its outputs are new arrays)
-        return value, dataclasses.replace(after, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+        return value, passed_on(slot, index)
 
     def _read(self, slot: Memo, spec: Spec) -> tuple[Any, Any]:
         path = self._path(slot)

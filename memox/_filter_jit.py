@@ -52,7 +52,7 @@ from typing_extensions import ParamSpec
 from . import _prehash
 from ._fingerprint import is_concrete_array
 from ._jit import allocated_once, copied
-from ._slot import EMPTY
+from ._slot import EMPTY, Memo, entry_leaves, is_memo
 
 
 _P = ParamSpec("_P")
@@ -148,9 +148,10 @@ class _FilterJit(eqx.Module):
     to take apart."""
 
     fun: Callable  # may hold arrays: traced
-    _compiled: Callable = eqx.field(static=True, repr=False)
+    _compiled: Any = eqx.field(static=True, repr=False)  # `eqx.filter_jit`'s wrapper
     _signature: inspect.Signature = eqx.field(static=True, repr=False)
     _inputs: _prehash.Inputs = eqx.field(static=True, repr=False)
+    _hits: _prehash.Hits = eqx.field(static=True, repr=False)
     _donate: Donate = eqx.field(static=True, repr=False)
 
     @classmethod
@@ -158,13 +159,16 @@ class _FilterJit(eqx.Module):
         inputs = _prehash.Inputs()
         donate_first, donate_rest = donate in ("all", "warn"), donate != "none"
 
-        def traced(head: tuple, rest: list, call: _Call) -> Any:
-            first, table = head
+        def traced(head: tuple, rest: list, call: _Call, hits: tuple) -> Any:
+            first, table, indices = head
             arrays = call.merge(first, rest)
             fn, args, kwargs = call.rebuild(arrays)
-            with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES) as scope:
+            hits_ = dict(zip(hits, indices))
+            with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES, hits_) as scope:
                 out = fn(*args, **kwargs)
-            inputs.learned(scope.used)
+                inputs.learned(scope.used)
+                slots_out = _slots_in(out)
+                held = scope.held(slots_out)
             # Outputs that are inputs passed through unchanged are given back outside
             # (the caller's arrays): not outputs of the compiled function, which would
             # copy them. Donated inputs are left to XLA, which reuses their buffers.
@@ -180,23 +184,34 @@ class _FilterJit(eqx.Module):
                 else:
                     dynamic.append(x)
                     static.append(_ARRAY)
+            # Where each slot the host can vouch for leaves the call (`_prehash.Hits`):
+            # the positions of its entry arrays among the output's leaves.
+            at = {id(x): j for j, x in enumerate(leaves)}
+            vouched = tuple(
+                (h, tuple(at[id(x)] for x in entry_leaves(slots_out[k]))) for h, k, _ in held
+            )
+            out_static = _Out(treedef, tuple(static), vouched)
             # A donated table is returned (unchanged) so that XLA reuses its buffer and
             # `donate="warn"` warns about the caller's arrays only.
-            return dynamic, _Out(treedef, tuple(static)), table if donate_first else None
+            donated_table = (table, indices) if donate_first else None
+            return dynamic, out_static, donated_table, [i for _, _, i in held]
 
         name = getattr(fun, "__name__", type(fun).__name__)
         traced.__name__ = name
         traced.__qualname__ = getattr(fun, "__qualname__", name)
         # The table travels with the first argument: donated with it, and only then.
         compiled = eqx.filter_jit(traced, donate=donate)
-        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, donate)
+        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, _prehash.Hits(), donate)
         return eqx.module_update_wrapper(wrapper)
 
     @property
     def __wrapped__(self) -> Callable:
         return self.fun
 
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+    def _prepared(self, args: tuple, kwargs: dict) -> tuple[_Call, list, list, tuple]:
+        """A call taken apart: its signature, its input arrays as given and as passed
+        (copies of the donated ones given back earlier), and the compiled function's
+        arguments, with the hits decided on the host."""
         bound = self._signature.bind(*args, **kwargs)
         args, kwargs = bound.args, bound.kwargs
         call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
@@ -204,18 +219,34 @@ class _FilterJit(eqx.Module):
             args = tuple(map(allocated_once, args))
             kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
             call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
+        hits, indices = self._hits.decide(call, arrays)
+        given = arrays
         if self._donate != "none" and _handed_back:
             arrays = _unshared(arrays, call.donated(self._donate in ("all", "warn"), True))
         table = self._inputs.table(arrays)
         first, rest = call.groups(arrays)
-        dynamic, out, _ = self._compiled((first, table), rest, call)
+        return call, given, arrays, ((first, table, indices), rest, call, hits)
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        call, given, arrays, compiled_args = self._prepared(args, kwargs)
+        dynamic, out, _, held_indices = self._compiled(*compiled_args)
         self._inputs.register(arrays)
         dynamic_ = iter(dynamic)
         leaves = [
             next(dynamic_) if x is _ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
             for x in out.leaves
         ]
+        vouched = [
+            (h, [leaves[j] for j in where], i) for (h, where), i in zip(out.vouched, held_indices)
+        ]
+        self._hits.learn(call, vouched, given)
         return jtu.tree_unflatten(out.treedef, leaves)
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The program that a call on these arguments would run now, lowered (JAX's
+        `Lowered`, as `jax.jit(...).lower` gives): with the hits it would decide on the
+        host."""
+        return self._compiled.lower(*self._prepared(args, kwargs)[3]).lowered
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -280,10 +311,17 @@ class _Call:
 
 class _Out(eqx.Module):
     """The compiled function's outputs other than its arrays: carried in its tree
-    structure (static)."""
+    structure (static). `vouched`: the slots whose state after the call the host records
+    (`_prehash.Hits`), with the positions of their entries among the output's leaves."""
 
     treedef: Any = eqx.field(static=True)
     leaves: tuple[Any, ...] = eqx.field(static=True)
+    vouched: tuple[tuple[_prehash.Held, tuple[int, ...]], ...] = eqx.field(static=True)
+
+
+def _slots_in(tree: Any) -> list[Memo]:
+    """The slots in `tree` (the step's output; walked once per trace)."""
+    return [x for x in jtu.tree_leaves(tree, is_leaf=is_memo) if is_memo(x)]
 
 
 # The arrays `memox.filter_jit` gave back in place of a copy (inputs passed through), by

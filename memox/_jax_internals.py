@@ -22,7 +22,7 @@ import jax
 import jax.extend
 import numpy as np
 from jax._src import config as _config, core as _core
-from jax._src.interpreters import batching as _batching, partial_eval as _pe
+from jax._src.interpreters import ad as _ad, batching as _batching, partial_eval as _pe
 
 
 if TYPE_CHECKING:
@@ -49,6 +49,23 @@ def visible_at(value: Any, trace: Any) -> bool:
         return True
     owner = value._trace
     return any(t is owner for t in _lineage(trace))
+
+
+_DIFFERENTIATING = tuple(
+    getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace") if hasattr(_ad, name)
+)
+
+
+def differentiating_in(trace: Any, outer: Any) -> bool:
+    """Whether `trace` is `outer`, or differentiation traces opened in it (`jax.grad`,
+    `jvp`, `vjp`, `linearize`): no branch, loop, batching or staged sub-trace between
+    them, so code running at `trace` runs exactly once per run of `outer`'s program."""
+    for t in _lineage(trace):
+        if t is outer:
+            return True
+        if not isinstance(t, _DIFFERENTIATING):
+            return False
+    return False
 
 
 def _loop_body(start: Any = None) -> tuple[Any, str | None]:

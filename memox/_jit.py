@@ -56,7 +56,17 @@ import numpy as np
 from . import _prehash
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
-from ._slot import Memo, Path, _child, is_empty, is_memo, replace_slots, slots
+from ._slot import (
+    ENTRY_FIELDS,
+    Memo,
+    Path,
+    _child,
+    entry_leaves,
+    is_empty,
+    is_memo,
+    replace_slots,
+    slots,
+)
 from ._typing import Fn, M, P, R
 
 
@@ -116,50 +126,94 @@ def jit(
     # Which input arrays cached methods fingerprinted (learned from the traces), and
     # their fingerprints per call, computed outside (`_prehash.py`).
     inputs = _prehash.Inputs()
+    # Which slots hit, known before a call (`_prehash.Hits`).
+    decided = _prehash.Hits()
 
-    def slots_only(static: _Signature, arrays: list, slot_leaves: list, table: Any) -> Any:
+    def slots_only(
+        static: _Signature,
+        hits: tuple,
+        arrays: list,
+        slot_leaves: list,
+        kept: list,
+        table: Any,
+        indices: list,
+    ) -> Any:
+        slot_leaves = _refilled(len(arrays), hits, slot_leaves, kept)
         module, args, kwargs = static.rebuild(arrays, slot_leaves)
-        with _prehash.scope(arrays, table) as scope:
+        flat = [*arrays, *(x for leaves in slot_leaves for x in leaves)]
+        with _prehash.scope(flat, table, hits=dict(zip(hits, indices))) as scope:
             result, module, frame = run(module, fn, args, kwargs)
-        inputs.learned(scope.used)
-        changed = changed_slots(module, frame)
+            inputs.learned(scope.used)
+            changed = changed_slots(module, frame)
+            final = [changed.get(path, slot) for path, slot in slots(module).items()]
+            held = scope.held(final)
         # With donation every allocated slot goes out (an unchanged one aliases its
         # input); without, only the changed ones: an unchanged slot stays the caller's.
         new_slots = {
-            i: changed.get(path, slot)
-            for i, (path, slot) in enumerate(slots(module).items())
-            if (path in changed or donate) and changed.get(path, slot).allocated
+            k: slot
+            for k, (path, slot) in enumerate(zip(slots(module), final))
+            if (path in changed or donate) and slot.allocated
         }
+        # Entries a hit decided on the host passed through are not outputs (XLA would
+        # copy them): the wrapper gives back the caller's arrays.
+        kept_by_value = {id(leaves[0]): n for n, leaves in enumerate(kept)}
+        kept_at = {k: kept_by_value.get(id(slot.value)) for k, slot in new_slots.items()}
+        kept_at = {k: n for k, n in kept_at.items() if n is not None}
+        for k in kept_at:
+            new_slots[k] = _without_entries(new_slots[k])
         dynamic, static_out = eqx.partition(result, eqx.is_array)
-        return dynamic, _Static(static_out), new_slots
+        vouched = tuple((h, k) for h, k, _ in held)
+        static_out = _Static((static_out, vouched, tuple(kept_at.items())))
+        return dynamic, static_out, new_slots, [i for _, _, i in held]
 
-    compiled = jax.jit(slots_only, static_argnums=0, donate_argnums=(2,) if donate else ())
+    compiled = jax.jit(slots_only, static_argnums=(0, 1), donate_argnums=(3,) if donate else ())
 
-    @functools.wraps(fn)
-    def wrapped(module: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, M]:
-        split = _Signature.split(module, args, kwargs, donate)
+    def prepared(module: Any, args: tuple, kwargs: dict, donating: bool) -> tuple:
+        """A call taken apart: the split, the module it was given where its slots had to
+        be allocated or revived, the hits decided on the host, the entries passed apart,
+        and the arguments of the compiled function."""
+        split = _Signature.split(module, args, kwargs, donating)
         if jtu.treedef_is_leaf(split.signature.module):
             check_module("jit", module)
         given = None
         if not split.ready:  # rare: allocate, or revive
             given, module = module, latest.get(module) or allocated(module)
-            split = _Signature.split(module, args, kwargs, donate)
+            split = _Signature.split(module, args, kwargs, donating)
         arrays = split.arrays
-        slot_leaves = split.donated() if donate else split.slot_leaves
+        hits, indices = decided.decide(split.signature, split.flat())
+        slot_leaves, kept = split.parted(hits)
+        if donating:
+            slot_leaves = split.donated(slot_leaves)
+        table = inputs.table(arrays)
+        call = (split.signature, hits, arrays, slot_leaves, kept, table, indices)
+        return split, given, kept, call
+
+    @functools.wraps(fn)
+    def wrapped(module: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, M]:
+        split, given, kept, call = prepared(module, args, kwargs, donate)
         try:
-            dynamic, static_out, new_slots = compiled(
-                split.signature, arrays, slot_leaves, inputs.table(arrays)
-            )
+            dynamic, static_out, new_slots, held_indices = compiled(*call)
         except BaseException:  # (a failure after the donation: the nodes get empty slots)
             split.hand_over_empty()
             raise
-        inputs.register(arrays)
+        inputs.register(split.arrays)
+        result, vouched, kept_at = static_out.value
+        for k, n in kept_at:
+            new_slots[k] = _with_entries(new_slots[k], kept[n])
+        vouched = [(h, entry_leaves(new_slots[k]), i) for (h, k), i in zip(vouched, held_indices)]
+        decided.learn(split.signature, vouched, split.flat())
         new_module = split.put(new_slots)
         split.hand_over(new_slots)
         if given is not None:
             latest.put(given, new_module)
-        return eqx.combine(dynamic, static_out.value), new_module
+        return eqx.combine(dynamic, result), new_module
 
+    def lower(module: M, /, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered:
+        """The program that `wrapped(module, *args, **kwargs)` would run now, lowered
+        (as `jax.jit(...).lower`): with the hits it would decide on the host."""
+        return compiled.lower(*prepared(module, args, kwargs, False)[3])
+
+    wrapped.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
     # A module passed again with its slots empty, as by a caller that does not thread
     # the returned module: the slots the last call on it returned, not a new allocation
     # (which also recomputes what they hold).
@@ -205,8 +259,14 @@ def _held_once(leaves: list, a: int, b: int) -> bool:
 @jax.jit
 def copied(leaves: list[Any]) -> list[Any]:
     """Copies of `leaves` in new buffers (one dispatch: `jax.device_put(...,
-    may_alias=False)` costs ~15x more on XLA:CPU for a slot's eight small arrays)."""
-    return [jnp.copy(x) for x in leaves]
+    may_alias=False)` costs ~15x more on XLA:CPU for a slot's eight small arrays);
+    `None` stays `None`."""
+    return [None if x is None else jnp.copy(x) for x in leaves]
+
+
+def _concrete(leaves: list[Any]) -> bool:
+    """Whether one slot's leaves (a slot is concrete or traced as a whole) are concrete."""
+    return is_concrete_array(next(x for x in leaves if x is not None))
 
 
 _SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))
@@ -221,6 +281,61 @@ def _hand_over(node: Memo, new: Memo) -> None:
     target = object.__getattribute__(node, "__dict__")
     for name in _SLOT_FIELDS:
         target[name] = fields[name]
+
+
+def _without_entries(slot: Memo) -> Memo:
+    """`slot` with its entries `None`: what leaves the compiled function for a slot whose
+    hit was decided on the host (its entries are the caller's arrays, given back)."""
+    return _replaced(slot, dict.fromkeys(ENTRY_FIELDS))
+
+
+def _with_entries(slot: Memo, entries: list[Any]) -> Memo:
+    """`slot` (from `_without_entries`) with `entries` (`entry_leaves` of the slot passed
+    in) put back."""
+    return _replaced(slot, dict(zip(ENTRY_FIELDS, entries)))
+
+
+def _replaced(slot: Memo, fields: dict[str, Any]) -> Memo:
+    """A copy of `slot` with `fields` replaced, its converters and checks not run again
+    (as `jtu.tree_unflatten` makes a module)."""
+    new = object.__new__(type(slot))
+    target = object.__getattribute__(new, "__dict__")
+    target.update(object.__getattribute__(slot, "__dict__"))
+    target.update(fields)
+    return new
+
+
+def _entry_positions(n: int) -> tuple[int, ...]:
+    """Where the entries are among the `n` leaves of an allocated slot (an unused
+    snapshot has none)."""
+    names = [f for f in _SLOT_FIELDS if n == len(_SLOT_FIELDS) or f != "snapshot"]
+    return tuple(j for j, name in enumerate(names) if name in ENTRY_FIELDS)
+
+
+def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:
+    """The position of each slot's first leaf among a call's flat inputs (its arrays,
+    then the slots' leaves), to the slot's index."""
+    starts = {}
+    for i, leaves in enumerate(slot_leaves):
+        starts[first] = i
+        first += len(leaves)
+    return starts
+
+
+def _refilled(n_arrays: int, hits: tuple, slot_leaves: list, kept: list) -> list:
+    """The slots' leaves with the entries of the slots whose hits were decided on the host
+    (passed apart, in `kept`) put back."""
+    if not hits:
+        return slot_leaves
+    out = list(slot_leaves)
+    starts = _starts(n_arrays, slot_leaves)
+    for positions, entries in zip(hits, kept):
+        i = starts[positions[0]]
+        leaves = list(out[i])
+        for p, x in zip(positions, entries):
+            leaves[p - positions[0]] = x
+        out[i] = leaves
+    return out
 
 
 class _ByIdentity:
@@ -406,14 +521,34 @@ class _Split:
     owners: list[Memo | None]
     first: list[int]
 
-    def donated(self) -> list[list[Any]]:
-        """The slots' leaves to donate: a copy of those that something else holds (none
-        in the threaded loop; traced ones are not donated: an outer trace's)."""
+    def flat(self) -> list[Any]:
+        """The call's input arrays in one list: the arrays, then the slots' leaves (the
+        positions `_prehash.Hits` and the trace's `Scope` agree on)."""
+        return [*self.arrays, *(x for leaves in self.slot_leaves for x in leaves)]
+
+    def parted(self, hits: tuple) -> tuple[list[list[Any]], list[list[Any]]]:
+        """The slots' leaves, with `None` for the entries of each slot whose hit was
+        decided on the host, and those entries (passed apart: read, not donated)."""
+        if not hits:
+            return self.slot_leaves, []
+        out = list(self.slot_leaves)
+        starts = _starts(len(self.arrays), out)
+        kept = []
+        for positions in hits:
+            i = starts[positions[0]]
+            at = {p - positions[0] for p in positions}
+            kept.append([x for j, x in enumerate(out[i]) if j in at])
+            out[i] = [None if j in at else x for j, x in enumerate(out[i])]
+        return out, kept
+
+    def donated(self, slot_leaves: list[list[Any]]) -> list[list[Any]]:
+        """`slot_leaves` to donate: a copy of those that something else holds (none in
+        the threaded loop; traced ones are not donated: an outer trace's)."""
         if all(owner is not None for owner in self.owners):
-            return self.slot_leaves
+            return slot_leaves
         return [
-            leaves if owner is not None or not is_concrete_array(leaves[0]) else copied(leaves)
-            for leaves, owner in zip(self.slot_leaves, self.owners)
+            leaves if owner is not None or not _concrete(leaves) else copied(leaves)
+            for leaves, owner in zip(slot_leaves, self.owners)
         ]
 
     def hand_over(self, new_slots: dict[int, Memo]) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import _context, _errors, _jax_internals, _ledger
+from . import _context, _errors, _jax_internals, _ledger, _prehash
 from ._fingerprint import combine
 from ._plan import Call, Method, Parts, Plan
 from ._policy import fresh
@@ -47,6 +47,7 @@ from ._slot import (
     entry,
     is_memo,
     lookup,
+    passed_on,
     path_name,
     stored,
     strong,
@@ -115,13 +116,23 @@ class Memoised:
             value, slot = pins.read(slot, self.plan.spec)  # a hit by construction
             frame.write(path, slot, self.method.qualname)
             return value
+        markers = _ledger.store(self.method.qualname, path_name(path))
+        # In a compiled wrapper, a call whose hit its wrapper can decide on the host.
+        reads = [*deps, *call.arg_arrays] if policy.snapshots else keyed
+        claim = None if markers is not None else _prehash.claim(slot, policy.max_age, reads)
+        if claim is not None and claim.index is not None:  # a hit, decided on the host
+            value, slot = entry(slot, claim.index, self.plan.spec), passed_on(slot, claim.index)
+            claim.left(slot, claim.index)
+            frame.write(path, slot, self.method.qualname)
+            return value
         nested = self._nested(call)
         sub = [frame.store[p] for p in nested.threaded]
         key = combine([frame.fingerprint(x) for x in keyed], self.plan.salt)
-        markers = _ledger.store(self.method.qualname, path_name(path))
         operands = (nested, deps, others, call.arg_arrays, slot, sub, key)
         if markers is None:
             value, new_slot, new_sub = self.op(*operands)
+            if claim is not None:  # the host decides the next call (`_prehash.Scope.held`)
+                claim.left(new_slot, lookup(new_slot, key, jnp.ones_like(new_slot.valid))[1])
         else:  # the enclosing call checks that this store reaches its outputs
             with markers[0]:
                 value, new_slot, new_sub = self.op(*operands)

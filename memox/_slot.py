@@ -348,6 +348,19 @@ def touched(slot: Memo, index: Array) -> Memo:
     )
 
 
+def passed_on(slot: Memo, index: Array) -> Memo:
+    """`slot` after a hit on entry `index` read without a check (a pinned slot of
+    `memox.scan`'s loop, a hit decided on the host): counters touched, entries passed on
+    as the very arrays that came in."""
+    after = touched(slot, index)  # (jitted: its outputs are new arrays)
+    return dataclasses.replace(after, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+
+
+def entry_leaves(slot: Memo) -> list[Array]:
+    """The arrays of an allocated slot's entries (`ENTRY_FIELDS` but an unused snapshot)."""
+    return [x for f in ENTRY_FIELDS if (x := getattr(slot, f)) is not None]
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None

@@ -83,7 +83,8 @@ def test_same_results_and_structures_as_eqx_filter_jit():
         jax.effects_barrier()
         runs[jit] = out, c.n - n0, len(traces)
     (eqx_out, eqx_n, eqx_traces), (our_out, our_n, our_traces) = runs.values()
-    assert (our_n, our_traces) == (eqx_n, eqx_traces) == (1, 1)
+    # One more program for `memox.filter_jit`: the hit decided on the host (no check).
+    assert (eqx_n, eqx_traces) == (1, 1) and (our_n, our_traces) == (1, 2)
     for a, b in zip(eqx_out, our_out):
         assert jax.tree.structure(a) == jax.tree.structure(b)
         for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -123,7 +124,7 @@ def test_unchanged_inputs_are_fingerprinted_outside_once(monkeypatch):
     for a in (model.w, x):
         (row,) = [i for i in valid if arrays[i] is a]
         np.testing.assert_array_equal(second[row, :2], known(a))
-    assert c.n == 1 and len(traces) == 1
+    assert c.n == 1 and len(traces) == 2  # (the second: the hit decided on the host)
 
 
 def test_passed_through_arrays_come_back_as_the_callers_own():
@@ -211,7 +212,8 @@ def test_traces_once_without_memox_init():
     f = foo(c)
     for _ in range(4):
         out, f = step(f, jnp.float32(2))
-    assert len(traces) == 1 and c.n == 1 and out == 2 * jnp.sum(f.a)
+    # (the second trace: the program for the hit decided on the host)
+    assert len(traces) == 2 and c.n == 1 and out == 2 * jnp.sum(f.a)
 
 
 def test_static_and_keyword_arguments_and_non_array_outputs():
@@ -228,7 +230,8 @@ def test_static_and_keyword_arguments_and_non_array_outputs():
     out, f = fn(f, x=jnp.float32(3), power=2)
     assert out == {"b": 6 * jnp.sum(f.a), "n": 2, "none": None}
     out, f = fn(f, jnp.float32(3), power=3, label="c")  # static arguments: retraces
-    assert set(out) == {"c", "n", "none"} and traces == [2, 3] and c.n == 1
+    # (the second trace: the program for the hit decided on the host)
+    assert set(out) == {"c", "n", "none"} and traces == [2, 2, 3] and c.n == 1
 
 
 def test_numpy_inputs_passed_through_come_back_as_jax_arrays():
@@ -402,4 +405,6 @@ def test_partitioned_model_as_arguments_works_as_under_eqx_filter_jit():
         runs[jit] = (np.asarray(y), len(traces), c.n)
     (y_eqx, *counts_eqx), (y_ours, *counts_ours) = runs.values()
     np.testing.assert_array_equal(y_ours, y_eqx)
-    assert counts_ours == counts_eqx == [2, 1]  # the first fill retraces once: `memox.init`
+    # The first fill retraces once (`memox.init` avoids it); `memox.filter_jit` then
+    # compiles the program for the hit decided on the host.
+    assert counts_eqx == [2, 1] and counts_ours == [3, 1]

@@ -45,7 +45,10 @@ def test_fill_reaches_the_caller_and_traces_once(wrapper):
     for i in range(4):
         y, f = step(f, jnp.float32(i))
         assert y == b * i
-    assert (traces, c.n) == (1, 1)
+    # `memox.jit` compiles a second program once the host knows the slot hits (the
+    # unchanged `f.a`): its read has no check (`_prehash.Hits`).
+    programs = 2 if wrapper == "memox.jit" else 1
+    assert (traces, c.n) == (programs, 1)
     assert hits_and_misses(f) == (3, 1)
     # The fill made inside the compiled function is the caller's: an eager call hits.
     _, f = memox.call(f, Foo.b)
@@ -55,7 +58,7 @@ def test_fill_reaches_the_caller_and_traces_once(wrapper):
     y, f = step(f, jnp.float32(2))
     assert y == 2 * (b + 1)
     _, f = step(f, jnp.float32(2))
-    assert (traces, c.n) == (1, 2)
+    assert (traces, c.n) == (programs, 2)
     assert hits_and_misses(f) == (5, 2)
 
 
@@ -72,8 +75,10 @@ def test_two_calls_in_one_trace_compute_once(wrapper):
 
 @pytest.mark.parametrize("wrapper", ["eqx.filter_jit", "memox.jit"])
 def test_without_init(wrapper):
-    # `memox.jit` allocates before it traces: one trace. `eqx.filter_jit` sees the empty
-    # markers as static and the allocated slots it returns as arrays: two traces.
+    # `memox.jit` allocates before it traces: one trace, and one more for the program
+    # reading the slot with no check once the host knows it hits. `eqx.filter_jit` sees
+    # the empty markers as static and the allocated slots it returns as arrays: two
+    # traces.
     c = Counter()
     traces = 0
 
@@ -88,7 +93,7 @@ def test_without_init(wrapper):
         y, f = step(f, jnp.float32(i))
     np.testing.assert_array_equal(y, 2 * jnp.sum(f.a))
     assert c.n == 1 and hits_and_misses(f) == (2, 1)
-    assert traces == (1 if wrapper == "memox.jit" else 2)
+    assert traces == 2
 
 
 def test_memox_jit_inside_jax_jit():
@@ -290,7 +295,8 @@ def test_keyword_and_static_arguments():
     y, f = step(f, jnp.float32(3), power=2)
     assert y == 9 * jnp.sum(f.a)
     y, f = step(f, jnp.float32(3), power=3)  # a static argument: retraces
-    assert traces == [2, 3] and c.n == 1
+    # (the second trace: the program for the hit decided on the host)
+    assert traces == [2, 2, 3] and c.n == 1
 
 
 def test_non_array_results_come_back_as_they_were():

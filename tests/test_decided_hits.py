@@ -1,0 +1,258 @@
+"""Hits decided on the host (`_prehash.Hits`): `memox.jit` and `memox.filter_jit`
+dispatch, for a slot whose inputs and state are the very arrays of the previous call,
+a program that reads the value with no check. Proven on the program (no `conditional`,
+nothing computed from the frozen dependency) and never stale: every result below is
+compared with the unmemoized computation, and real executions are counted."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import memox
+from memox import Memo
+from memox._prehash import MAX_VARIANTS
+
+from helpers import Counter
+
+
+SHAPE = (48, 40)  # the frozen dependency's shape: no other array of the programs has it
+
+
+class Frozen(eqx.Module):
+    w: jax.Array  # read by the cached method only
+    head: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def gram(self):
+        self.counter.tick()
+        return jnp.linalg.cholesky(self.w @ self.w.T + SHAPE[0] * jnp.eye(SHAPE[0]))
+
+
+def _gram(w):
+    return jnp.linalg.cholesky(w @ w.T + SHAPE[0] * jnp.eye(SHAPE[0]))
+
+
+def _fn(m, x):
+    return (m.gram() @ x) * m.head
+
+
+def _reference(m, x):
+    return (_gram(m.w) @ x) * m.head
+
+
+def _model(c, seed=0):
+    return Frozen(jax.random.normal(jax.random.key(seed), SHAPE), jnp.ones(SHAPE[0]), c)
+
+
+def _filter_jit_step():
+    @memox.filter_jit
+    def step(m, x):
+        y, m = memox.call(m, lambda m: _fn(m, x))
+        return y, m
+
+    return step
+
+
+WRAPPERS = {"memox.jit": lambda: memox.jit(_fn), "memox.filter_jit": _filter_jit_step}
+
+
+def _frozen_lines(hlo: str) -> list[str]:
+    """The instructions of an optimised HLO module that take the frozen dependency, or
+    anything of its shape (its bits, as the fingerprint reads them), as an operand or
+    result, but its parameter."""
+    shape = "[{},{}]".format(*SHAPE)
+    return [
+        line
+        for line in hlo.splitlines()
+        if shape in line and "parameter(" not in line and not line.lstrip().startswith("ENTRY")
+    ]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_hit_runs_a_program_with_no_check(wrapper):
+    c = Counter()
+    step, m, x = WRAPPERS[wrapper](), _model(c), jnp.ones(SHAPE[0])
+    first = step.lower(m, x).compile().as_text()
+    for _ in range(3):
+        y, m = step(m, x)
+    hit = step.lower(m, x).compile().as_text()
+    # The program of a call the host cannot decide checks in-graph: a branch, and the
+    # fingerprint's pass over the dependency's bits (so the assertions below can fail).
+    assert "conditional" in first and _frozen_lines(first)
+    # A hit: no branch, and nothing reads the frozen dependency.
+    assert "conditional" not in hit, hit
+    assert _frozen_lines(hit) == []
+    np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
+    stats = memox.stats(m)["cache"]
+    assert c.n == 1 and (stats.hits, stats.misses) == (2, 1)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_never_stale_through_both_programs(wrapper):
+    c = Counter()
+    step, m, x = WRAPPERS[wrapper](), _model(c), jnp.ones(SHAPE[0])
+    computed = []
+
+    def check(m, x, *, computes):
+        n = c.n
+        y, m = step(m, x)
+        jax.effects_barrier()
+        computed.append(c.n - n)
+        with c.paused():
+            np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
+        assert c.n - n == computes
+        return m
+
+    m = check(m, x, computes=1)
+    m = check(m, x, computes=0)  # decided on the host from here
+    m = check(m, x * 2, computes=0)  # a new argument the method does not read
+    kept = m
+    m = check(eqx.tree_at(lambda t: t.w, m, m.w + 1), x, computes=1)  # moved
+    m = check(m, x, computes=0)
+    m = check(eqx.tree_at(lambda t: t.w, m, jnp.array(m.w)), x, computes=0)  # same values
+    m = check(memox.clear(m), x, computes=1)  # cleared: new slot arrays
+    m = check(kept, x, computes=0)  # an older module: its own slot, still valid
+    m = check(eqx.tree_at(lambda t: t.w, m, m.w + 1), x, computes=1)
+    other = check(_model(c, seed=1), x, computes=1)  # another model, same wrapper
+    m = check(m, x, computes=0)
+    check(other, x, computes=0)
+    assert sum(computed) == 5
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_an_invalidation_inside_the_call_is_checked_in_graph(wrapper):
+    # `memox.invalidate(..., when=flag)` writes the slot inside the call: the host cannot
+    # vouch for it, so every call decides in-graph, and a call with the flag set
+    # recomputes even after steps the host could otherwise have decided.
+    c = Counter()
+
+    def fn(m, x, flag):  # (inside `memox.jit`, `fn` runs in its `memox.call`)
+        return _fn(memox.invalidate(m, Frozen.gram, when=flag), x)
+
+    if wrapper == "memox.jit":
+        step = memox.jit(fn)
+    else:
+        step = memox.filter_jit(lambda m, x, flag: memox.call(m, fn, x, flag))
+    m, x = _model(c), jnp.ones(SHAPE[0])
+    no, yes = jnp.bool_(False), jnp.bool_(True)
+    for flag in [no, no, no, yes, no, no, yes]:
+        y, m = step(m, x, flag)
+        with c.paused():
+            np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
+    jax.effects_barrier()
+    assert c.n == 3
+    assert "conditional" in step.lower(m, x, no).compile().as_text()
+
+
+def test_a_training_step_with_a_frozen_part_runs_no_check():
+    # The optax loop: `memox.call` inside the loss, under `jax.grad`; the head trains,
+    # the factor of the frozen `w` is computed once. Losses equal the unmemoized step's.
+    c = Counter()
+    opt = optax.sgd(1e-2, momentum=0.9)  # (adam mixes int32 and floats: strict promotion)
+
+    def loss(head, m, x, y):
+        m = eqx.tree_at(lambda t: t.head, m, head)
+        out, m = memox.call(m, lambda m: _fn(m, x))
+        return jnp.mean((out - y) ** 2), m
+
+    def reference_loss(head, m, x, y):
+        return jnp.mean(((_gram(m.w) @ x) * head - y) ** 2)
+
+    @memox.filter_jit
+    def step(m, state, x, y):
+        (value, m), g = jax.value_and_grad(loss, has_aux=True)(m.head, m, x, y)
+        updates, state = opt.update(g, state)
+        return value, eqx.tree_at(lambda t: t.head, m, optax.apply_updates(m.head, updates)), state
+
+    @eqx.filter_jit
+    def reference_step(m, state, x, y):
+        value, g = jax.value_and_grad(reference_loss)(m.head, m, x, y)
+        updates, state = opt.update(g, state)
+        return value, eqx.tree_at(lambda t: t.head, m, optax.apply_updates(m.head, updates)), state
+
+    m = _model(c)
+    state = opt.init(m.head)
+    ref, ref_state = m, state
+    x, y = jnp.ones(SHAPE[0]), jnp.zeros(SHAPE[0])
+    for _ in range(6):
+        value, m, state = step(m, state, x, y)
+        with c.paused():
+            expected, ref, ref_state = reference_step(ref, ref_state, x, y)
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+    jax.effects_barrier()
+    assert c.n == 1
+    hit = step.lower(m, state, x, y).compile().as_text()
+    assert "conditional" not in hit and _frozen_lines(hit) == []
+
+
+def test_a_policy_with_max_age_is_always_checked_in_graph():
+    # Reuse that depends on how often an entry was read is not a fact about the arrays.
+    c = Counter()
+
+    class Aging(eqx.Module):
+        w: jax.Array
+        cache: Memo[jax.Array] = Memo()
+
+        @memox.cached("cache", policy=memox.policies.Exact(max_age=2))
+        def gram(self):
+            c.tick()
+            return _gram(self.w)
+
+    step = memox.jit(lambda m: m.gram())
+    m = Aging(jax.random.normal(jax.random.key(0), SHAPE))
+    for _ in range(7):
+        y, m = step(m)
+    jax.effects_barrier()
+    assert c.n == 3  # computed, reused twice, computed, ...
+    np.testing.assert_allclose(y, _gram(m.w), rtol=1e-5, atol=1e-6)
+    assert "conditional" in step.lower(m).compile().as_text()
+
+
+def test_the_programs_per_signature_are_bounded():
+    # Three slots whose inputs change on different schedules: up to 8 hit sets, and past
+    # `MAX_VARIANTS` programs a new set runs the first program (checked in-graph).
+    c = Counter()
+
+    class Three(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+        d: jax.Array
+        ca: Memo[jax.Array] = Memo()
+        cb: Memo[jax.Array] = Memo()
+        cd: Memo[jax.Array] = Memo()
+
+        @memox.cached("ca")
+        def fa(self):
+            c.tick()
+            return jnp.sin(self.a)
+
+        @memox.cached("cb")
+        def fb(self):
+            c.tick()
+            return jnp.cos(self.b)
+
+        @memox.cached("cd")
+        def fd(self):
+            c.tick()
+            return jnp.tanh(self.d)
+
+    traces = []
+
+    def fn(m):
+        traces.append(None)
+        return m.fa() + m.fb() + m.fd()
+
+    step = memox.jit(fn)
+    m = Three(jnp.ones(3), jnp.ones(3), jnp.ones(3))
+    for i in range(40):
+        for name, every in [("a", 2), ("b", 3), ("d", 5)]:
+            if i % every == 1:
+                m = eqx.tree_at(lambda t: getattr(t, name), m, getattr(m, name) + 1)
+        y, m = step(m)
+        np.testing.assert_allclose(y, jnp.sin(m.a) + jnp.cos(m.b) + jnp.tanh(m.d), rtol=1e-6)
+    assert len(traces) == MAX_VARIANTS
