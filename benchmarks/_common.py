@@ -138,6 +138,13 @@ def first_call(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
     return out, {"first_call_s": wall, **probe}
 
 
+def programs(name: str) -> int:
+    """How many programs variant `name`'s step may compile without retracing: memox's
+    wrappers compile a second one once the host knows which slots hit (a read with no
+    check, `memox._prehash.Hits`); anything more is a retrace."""
+    return 2 if "memox.jit" in name or "memox.filter_jit" in name else 1
+
+
 class TraceCounter:
     """Counts traces of jitted functions: call `tick(name)` in the traced body."""
 

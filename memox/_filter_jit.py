@@ -14,15 +14,20 @@ results, same tree structures, same donation) with two additions:
    previous call. A new, donated or updated array is a new object: it is hashed.
    Inputs under 256 KiB are hashed in-graph (on XLA:CPU the `lax.cond` costs about
    what hashing them does).
-2. **No copy of what passes through.** An output that is one of the inputs, unchanged
+2. **Hits decided on the host.** A slot whose entries and the inputs its check reads
+   are the very arrays of the previous call hits, known before dispatch
+   (`_prehash.Hits`): the call runs a program (compiled at the second call) that reads
+   the value with no check and no `lax.cond`, also where `memox.call` runs inside the
+   loss under `jax.grad`.
+3. **No copy of what passes through.** An output that is one of the inputs, unchanged
    (the frozen backbone in the model the step returns), is not an output of the
    compiled function (XLA would copy it into a fresh buffer on every call): the caller's
    own array is put back in its place. So the frozen arrays keep their identity from
-   step to step, and (1) applies to them. Donated inputs are left to XLA (their buffers
-   are reused).
+   step to step, and (1) and (2) apply to them. Donated inputs are left to XLA (their
+   buffers are reused).
 
 **Never deletes what `eqx.filter_jit` would not.** An array given back in place of a
-copy (2) is the caller's own, also held by the tree it came from, where
+copy (3) is the caller's own, also held by the tree it came from, where
 `eqx.filter_jit` would have returned a fresh copy. So where a `memox.filter_jit` call
 later donates such an array, it donates a copy of it instead (the copy
 `eqx.filter_jit` would have made at the first call): the tree it came from keeps it.
@@ -88,7 +93,10 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     data) no longer hashes them in-graph at every call: their fingerprints are computed
     outside, once per array object, and passed in. The arrays that merely pass through
     the step (unchanged leaves of the returned model) come back as the caller's own
-    objects instead of copies.
+    objects instead of copies. Where a slot and what its check reads are the very
+    arrays of the previous call, the hit is decided before dispatch, and a second
+    program (compiled at the second call; at most 4 per signature) reads the value with
+    no check; `step.lower(*args)` gives the program a call would run now.
 
     **Arguments:**
 

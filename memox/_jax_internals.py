@@ -118,6 +118,12 @@ def trace_context() -> tuple[Any, ...]:
     return tuple(map(_plain_context, _config.trace_context()))
 
 
+def jit_context() -> Any:
+    """JAX's own `trace_context()` as `jax.jit` keys on it in this process (objects it
+    compares by identity left as they are): for keys that stay in this process."""
+    return _config.trace_context()
+
+
 def _plain_context(value: Any) -> Any:
     if isinstance(value, _core.AxisEnv):
         return (

@@ -22,6 +22,11 @@ CPython, calibrated once, and only ever wrong towards copying. In the threaded l
 (`out, model = step(model, x)`) the old module is gone by the next call, so every hit
 copies nothing; a kept module costs one copy at the next call.
 
+**Hits decided on the host.** A slot whose entries and inputs are the very arrays of the
+previous call is known to hit before dispatch (`_prehash.Hits`): the call runs a program
+that reads it with no check, its entries passed apart (read, not donated) and given back
+as the caller's arrays.
+
 Dependencies that are the caller's arrays are fingerprinted outside the compiled code,
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared
 with `memox.filter_jit`): a hit on an unchanged dependency costs O(1), not a pass over
@@ -100,6 +105,13 @@ def jit(
       leaves), that call donates a copy.
 
     Arrays anywhere in `module` and the arguments are traced; everything else is static.
+
+    **Hits decided on the host:** where a slot and the arrays its check reads are the
+    very arrays of the previous call (a frozen part, a threaded `module`), the call
+    runs a second program, compiled at the second call, that reads the slot's value with
+    no check and no `lax.cond`; anything new is checked in-graph. At most 4 programs per
+    signature. `wrapped.lower(module, *args, **kwargs)` gives the program a call would
+    run now (JAX's `Lowered`).
 
     **When to call `memox.init`:** not for `memox.jit`. Before the first trace, the
     module's empty slots for methods without arguments are allocated, so a loop

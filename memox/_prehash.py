@@ -141,9 +141,11 @@ class Inputs:
 class _Record(NamedTuple):
     """A fact about immutable objects, so true for every thread: the slot whose entries
     are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
-    in a call of static signature `signature` (see `Hits`)."""
+    in a call of static signature `signature` under JAX's configuration `context` (see
+    `Hits`)."""
 
     signature: Any
+    context: Any
     held: Held
     entries: tuple[weakref.ref, ...]
     reads: tuple[weakref.ref, ...]
@@ -165,13 +167,15 @@ class Hits:
     the slot it left reaching the outputs), the slot it returned holds the value for the
     arrays the decision read, whatever the in-graph check decided: a miss stored it, a
     hit found it. So where the next call gets that very slot (its entry arrays, by
-    identity) and those very arrays (immutable, by identity), in a call of the same
-    signature, its check is a hit, known before dispatch. The wrapper then dispatches a
-    program specialised on that: the slot's value is read from the entry recorded, with
-    no fingerprint, lookup or branch (`_memo.py`), and its entries pass through (not
-    donated, not copied: the caller's arrays are given back), so the next call finds
-    them again. Anything else (a new batch, an updated parameter, a slot loaded from
-    disk, a `memox.clear`) is a new object and is checked in-graph.
+    identity) and those very arrays (immutable, by identity), in a call that `jax.jit`
+    would key alike (the same signature, under the same JAX configuration: the trace
+    context, x64, the PRNG flags, ...), its check is a hit, known before dispatch. The
+    wrapper then dispatches a program specialised on that: the slot's value is read from
+    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and its
+    entries pass through (not donated, not copied: the caller's arrays are given back),
+    so the next call finds them again. Anything else (a new batch, an updated
+    parameter, a slot loaded from disk, a `memox.clear`) is a new object and is checked
+    in-graph.
 
     The hit set is a static argument of the compiled function: at most `MAX_VARIANTS`
     programs per signature (past that, calls with a new set run the program with none
@@ -186,10 +190,13 @@ class Hits:
         slot's entry leaves, sorted; a static argument), and the index of each one's
         entry (device arrays)."""
         hits, indices, compared, same = [], [], None, False
+        context = _jax_internals.jit_context()
         for record in self._records:  # (one snapshot: replaced whole)
             if record.signature is not compared:
                 compared = record.signature
-                same = compared is signature or compared == signature
+                same = record.context == context and (
+                    compared is signature or compared == signature
+                )
             if (
                 same
                 and _is(record.entries, record.held.entries, inputs)
@@ -224,13 +231,13 @@ class Hits:
                 if len(self._variants) >= 256:
                     self._variants.clear()
                 variants = self._variants[signature] = set()
-        records = []
+        records, context = [], _jax_internals.jit_context()
         for h, entries, index in sorted(held, key=lambda item: item[0].entries):
             reads = [inputs[i] for i in h.reads]
             if not all(map(is_concrete_array, [*entries, *reads, index])):
                 continue
             refs, read_refs = tuple(map(weakref.ref, entries)), tuple(map(weakref.ref, reads))
-            records.append(_Record(signature, h, refs, read_refs, index, variants))
+            records.append(_Record(signature, context, h, refs, read_refs, index, variants))
         self._records = tuple(records)
 
 

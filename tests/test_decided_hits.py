@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import Counter
 
 import memox
 from memox import Memo
 from memox._prehash import MAX_VARIANTS
-
-from helpers import Counter
 
 
 SHAPE = (48, 40)  # the frozen dependency's shape: no other array of the programs has it
@@ -256,3 +255,38 @@ def test_the_programs_per_signature_are_bounded():
         y, m = step(m)
         np.testing.assert_allclose(y, jnp.sin(m.a) + jnp.cos(m.b) + jnp.tanh(m.d), rtol=1e-6)
     assert len(traces) == MAX_VARIANTS
+
+
+@pytest.mark.parametrize("wrapper", ["memox.jit", "memox.filter_jit"])
+def test_a_configuration_jax_jit_keys_on_is_part_of_the_decision(wrapper):
+    # Found by the fuzzer: a hit decided under `jax_threefry_partitionable` was reused
+    # after the flag flipped (same signature, same arrays), where `jax.jit` retraces and
+    # the method draws other numbers. The host now keys on what `jax.jit` keys on.
+    c = Counter()
+
+    class Noise(eqx.Module):
+        key: jax.Array
+        cache: Memo[jax.Array] = Memo()
+
+        @memox.cached("cache")
+        def draw(self):
+            c.tick()
+            return jax.random.normal(self.key, (8,))
+
+    if wrapper == "memox.jit":
+        step = memox.jit(lambda m: m.draw())
+    else:
+        step = memox.filter_jit(lambda m: memox.call(m, Noise.draw))
+    m = Noise(jax.random.key(0))
+    flag = jax.config.jax_threefry_partitionable
+    for value in [flag, flag, not flag, not flag, flag]:
+        jax.config.update("jax_threefry_partitionable", value)
+        try:
+            y, m = step(m)
+            with c.paused():
+                expected = jax.random.normal(m.key, (8,))
+        finally:
+            jax.config.update("jax_threefry_partitionable", flag)
+        np.testing.assert_array_equal(y, expected)
+    jax.effects_barrier()
+    assert c.n == 3
