@@ -38,6 +38,7 @@ SCENARIOS = {
     "s9": "s9_diffrax",
     "s10": "s10_finetune",
     "s11": "s11_neural_ode",
+    "s12": "s12_scaling",
 }
 HERE = Path(__file__).resolve().parent
 

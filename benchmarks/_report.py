@@ -88,6 +88,9 @@ def goal_cell(goal: Goal | None, value: Any) -> str:
     return f"{cell} — **unmet** (measured {_fmt(value)}): {reason}"
 
 
+_S12_REF = "eqx.filter_jit, unmemoized"
+
+
 def headline(results: dict, goals: dict[str, dict[str, Goal]]) -> list[dict]:
     """The few ratios worth a glance, each with its goal where its scenario declares one
     (`goals`: each scenario's `GOALS`, by scenario key)."""
@@ -225,6 +228,30 @@ def headline(results: dict, goals: dict[str, dict[str, Goal]]) -> list[dict]:
             )
             for v, r in m["step_over_hand"].items():
                 add(s11, f"step / hand-hoisted, {v}", r)
+    if results.get("s12"):
+        key = "s12"
+        sweeps = results["s12"]["metrics"]["sweeps"]
+        for sweep in ("leaves", "slots"):
+            n = max(sweeps[sweep], key=int)
+            m = sweeps[sweep][n]
+            where = f"most {sweep} ({n})"
+            calls = m["per_call_us"]
+            for v in ("memox.jit", "memox.filter_jit + memox.call", "eqx.filter_jit + memox.call"):
+                add("12 scaling", f"{v} / eqx.filter_jit, {where}", calls[v] / calls[_S12_REF])
+            first = m["first_call_s"]
+            add(
+                "12 scaling",
+                f"first call memox.jit / eqx.filter_jit, {where}",
+                first["memox.jit"] / first[_S12_REF],
+            )
+            if sweep == "leaves":
+                e = m["eager_us"]
+                direct = e["eager direct call"]
+                add(
+                    "12 scaling",
+                    f"eager hit / (2 x direct call + 100 us), {where}",
+                    e["eager memox.call hit"] / (2 * direct + 100),
+                )
     # A declared goal that no row matches has lost its measure (a renamed variant).
     lost = [(k, m) for k, d in goals.items() if results.get(k) for m in d if (k, m) not in used]
     if lost:
@@ -353,6 +380,8 @@ def plot(record: dict, stem: Path) -> list[str]:
         for ax, (k, d) in zip(np.atleast_1d(axes), series.items()):
             _cumulative(ax, d, f"s4: dependency changes every {k.split('=')[1]} steps")
         paths.append(_save(fig, stem, "s4-cumulative-flops"))
+    if sc.get("s12"):
+        paths.append(_scaling_plot(sc["s12"], stem))
     panels = _wall_panels(sc)
     if panels:
         cols = 3
@@ -381,6 +410,38 @@ def plot(record: dict, stem: Path) -> list[str]:
         )
         paths.append(_save(fig, stem, "wall-per-step"))
     return paths
+
+
+def _scaling_plot(s12: dict, stem: Path) -> str:
+    """s12: µs per call against leaves and against slots, and first-call wall time."""
+    sweeps = s12["metrics"]["sweeps"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for ax, sweep in zip(axes[:2], ("leaves", "slots")):
+        ns = sorted(sweeps[sweep], key=int)
+        for v, marker in zip(sweeps[sweep][ns[0]]["per_call_us"], "osD^"):
+            ys = [sweeps[sweep][n]["per_call_us"][v] for n in ns]
+            ax.plot([int(n) for n in ns], ys, marker + "-", label=v)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(sweep)
+        ax.set_ylabel("median µs per call")
+        fixed = "1 slot" if sweep == "leaves" else f"{s12['sizes']['slot_leaves']} leaves"
+        ax.set_title(f"s12: µs per call vs {sweep} ({fixed})", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    for sweep, style in (("leaves", "o-"), ("slots", "s--")):
+        ns = sorted(sweeps[sweep], key=int)
+        for v in ("memox.jit", _S12_REF):
+            ys = [sweeps[sweep][n]["first_call_s"][v] for n in ns]
+            ax.plot([int(n) for n in ns], ys, style, label=f"{v} ({sweep})")
+    ax.set_xscale("log")
+    ax.set_xlabel("leaves or slots")
+    ax.set_ylabel("first call (trace + compile) [s]")
+    ax.set_title("s12: first call", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, stem, "s12-scaling")
 
 
 def _wall_panels(sc: dict) -> list[tuple[str, str, dict]]:

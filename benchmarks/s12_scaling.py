@@ -1,0 +1,217 @@
+"""Scenario 12: per-call cost as the model grows, where dispatch dominates.
+
+A chain of tiny layers (`tanh(W y + b)`, 4x4 weights, so every call is dispatch-bound):
+the cost of memox's per-call work as the model grows, not the model's own.
+
+- **leaves**: 10, 100, 1000 parameter leaves, one cached normalised weight (the first
+  layer's);
+- **slots**: 200 leaves, 1, 10, 100 layers with a cached normalised weight (as a
+  transformer has one per layer).
+
+Variants, each threading what it returns: `memox.jit` (hits decided on the host after
+the first call), `memox.filter_jit` + `memox.call` (the user's step returning the
+model), `eqx.filter_jit` + `memox.call` (the same under Equinox's own `filter_jit`,
+after `memox.init`), and the reference `eqx.filter_jit` of the unmemoized forward pass
+returning `y` only (it renormalises each weight every call: free at 4x4). Also the
+first call's wall time (trace + compile) of `memox.jit` against the reference, and an
+eager hit (`memox.call(model, Layer.normalised)` on a filled first layer) against the
+direct eager call of the unmemoized method.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+import memox
+from memox import Memo
+
+from ._common import Goal, first_call, interleaved, median, progress, timed
+
+
+SIZES = {
+    "full": dict(leaves=(10, 100, 1000), slots=(1, 10, 100), slot_leaves=200, rounds=40),
+    "quick": dict(leaves=(10, 100), slots=(1, 10), slot_leaves=40, rounds=6),
+}
+REFERENCE = "eqx.filter_jit, unmemoized"
+GOALS = {
+    "memox.jit / eqx.filter_jit, most leaves": Goal(
+        "<=",
+        1.2,
+        "host-side work before each dispatch grows with the leaves: the wrapper flattens "
+        "the module, compares the static signature and reads each slot's reference counts "
+        "(`_Signature.split` is memox's largest item under cProfile)",
+    ),
+    "memox.jit / eqx.filter_jit, most slots": Goal(
+        "<=",
+        1.2,
+        "per slot, host-side work (the split, the hand-over, the host's record) and, in the "
+        "program, the hit's counters written every call: four output buffers per slot, even "
+        "where the hit is decided on the host",
+    ),
+    "first call memox.jit / eqx.filter_jit, most slots": Goal(
+        "<=",
+        1.5,
+        "each cached method is planned (its jaxpr traced and pruned) and staged as a "
+        "custom_jvp with a lax.cond; XLA compiles one conditional per slot",
+    ),
+    "eager hit / (2 x direct call + 100 us), most leaves": Goal(
+        "<=",
+        1.0,
+        "an eager memox.call walks the whole module several times (revive, allocate, "
+        "frame, changed slots, replace) and dispatches the check as jitted table "
+        "operations: not yet reworked",
+    ),
+}
+
+
+def _normalised(w: Array) -> Array:
+    return w / jnp.linalg.norm(w)
+
+
+class Layer(eqx.Module):
+    w: Array
+    b: Array
+    cache: Memo[Array] | None
+
+    @memox.cached("cache")
+    def normalised(self) -> Array:
+        return _normalised(self.w)
+
+    def weight(self) -> Array:
+        return self.w if self.cache is None else self.normalised()
+
+
+class Chain(eqx.Module):
+    layers: tuple[Layer, ...]
+
+    def __call__(self, x: Array) -> Array:
+        for layer in self.layers:
+            x = jnp.tanh(layer.weight() @ x + layer.b)
+        return x
+
+    def plain(self, x: Array) -> Array:
+        for layer in self.layers:
+            w = layer.w if layer.cache is None else _normalised(layer.w)
+            x = jnp.tanh(w @ x + layer.b)
+        return x
+
+
+def chain(leaves: int, slots: int) -> Chain:
+    keys = jax.random.split(jax.random.key(0), leaves // 2)
+    return Chain(
+        tuple(
+            Layer(jax.random.normal(k, (4, 4)), jnp.zeros(4), Memo() if i < slots else None)
+            for i, k in enumerate(keys)
+        )
+    )
+
+
+def measure(leaves: int, slots: int, rounds: int) -> dict:
+    """Median µs per call of each variant, the first calls' wall times, and the eager
+    hit against the direct call, on a chain of `leaves` leaves with `slots` slots."""
+    x = jnp.ones(4)
+    model = chain(leaves, slots)
+    memox_jit = memox.jit(lambda m, x: m(x))
+
+    @memox.filter_jit
+    def memox_filter_jit(m, x):
+        return memox.call(m, lambda m: m(x))
+
+    eqx_memox = eqx.filter_jit(lambda m, x: memox.call(m, lambda m: m(x)))
+    reference = eqx.filter_jit(lambda m, x: m.plain(x))
+    state = {"memox.jit": model, "memox.filter_jit + memox.call": model}
+    state["eqx.filter_jit + memox.call"] = memox.init(model)
+    first = {}
+    _, first["memox.jit"] = first_call(lambda: memox_jit(model, x))
+    _, first[REFERENCE] = first_call(lambda: reference(model, x))
+
+    def threaded(name, step):
+        def call():
+            y, state[name] = step(state[name], x)
+            return y
+
+        return call
+
+    fns = {
+        "memox.jit": threaded("memox.jit", memox_jit),
+        "memox.filter_jit + memox.call": threaded(
+            "memox.filter_jit + memox.call", memox_filter_jit
+        ),
+        "eqx.filter_jit + memox.call": threaded("eqx.filter_jit + memox.call", eqx_memox),
+        REFERENCE: lambda: reference(model, x),
+    }
+    for fn in fns.values():  # compile (both programs of memox's wrappers)
+        for _ in range(3):
+            timed(fn)
+    for name in state:  # every variant hits
+        hits = sum(int(s.hits) for s in memox.stats(state[name]).values())
+        assert hits >= 2 * slots, (name, memox.stats(state[name]))
+    per_call = {n: 1e6 * median(ts) for n, ts in interleaved(fns, rounds, 3).items()}
+
+    filled = state["memox.jit"]
+    first_layer = filled.layers[0]
+    eager = {
+        "eager memox.call hit": lambda: memox.call(filled, lambda m: m.layers[0].normalised())[0],
+        "eager direct call": lambda: _normalised(first_layer.w),
+    }
+    for fn in eager.values():
+        timed(fn)
+    eager_us = {n: 1e6 * median(ts) for n, ts in interleaved(eager, rounds, 3).items()}
+    return {
+        "per_call_us": per_call,
+        "first_call_s": {n: f["first_call_s"] for n, f in first.items()},
+        "eager_us": eager_us,
+    }
+
+
+def run(size: dict) -> dict:
+    progress(
+        f"s12 scaling: chains of 4x4 layers, leaves {size['leaves']} (1 slot), "
+        f"slots {size['slots']} ({size['slot_leaves']} leaves)"
+    )
+    sweeps = {"leaves": {}, "slots": {}}
+    for n in size["leaves"]:
+        sweeps["leaves"][n] = measure(n, 1, size["rounds"])
+        progress(f"  s12 {n} leaves, 1 slot: {_summary(sweeps['leaves'][n])}")
+    for n in size["slots"]:
+        sweeps["slots"][n] = measure(size["slot_leaves"], n, size["rounds"])
+        progress(f"  s12 {size['slot_leaves']} leaves, {n} slots: {_summary(sweeps['slots'][n])}")
+    rows = []
+    for sweep, by_n in sweeps.items():
+        for n, m in by_n.items():
+            for name, us in m["per_call_us"].items():
+                rows.append(
+                    {
+                        "sweep": sweep,
+                        "n": n,
+                        "variant": name,
+                        "median call [us]": us,
+                        "call / reference": us / m["per_call_us"][REFERENCE],
+                    }
+                )
+    return {
+        "id": "s12",
+        "title": "Per-call cost as the model grows (leaves 10-1000, slots 1-100)",
+        "sizes": size,
+        "rows": rows,
+        "metrics": {"sweeps": {k: {str(n): m for n, m in v.items()} for k, v in sweeps.items()}},
+        "notes": [
+            "4x4 layers: every call is dispatch-bound, so the ratios are memox's per-call "
+            "work against Equinox's own.",
+            "Every memox variant is checked to hit before timing.",
+        ],
+    }
+
+
+def _summary(m: dict) -> str:
+    calls = ", ".join(f"{n} {us:.0f}" for n, us in m["per_call_us"].items())
+    first = m["first_call_s"]
+    eager = m["eager_us"]
+    return (
+        f"us per call: {calls}; first call memox.jit {first['memox.jit']:.2f} s vs "
+        f"{first[REFERENCE]:.2f} s; eager hit {eager['eager memox.call hit']:.0f} us vs "
+        f"direct {eager['eager direct call']:.0f} us"
+    )
