@@ -69,6 +69,18 @@ SIZES = {
         fingerprint_mb=(64, 1),
         fingerprint_rounds=6,
     ),
+    # A backbone of 53 M parameters (2 x 5120^2 + ...), for a GPU (`--gpu`).
+    "gpu": dict(
+        points=8192,
+        d_in=64,
+        width=5120,
+        depth=3,
+        d_out=64,
+        head_width=64,
+        steps=300,
+        fingerprint_mb=(1024, 64, 4),
+        fingerprint_rounds=20,
+    ),
 }
 
 # The headline's goals (`_common.Goal`), and why a measure misses its goal where it does.

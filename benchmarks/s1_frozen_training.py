@@ -67,6 +67,7 @@ from ._common import (
 SIZES = {
     "full": dict(n=1024, k=32, width=64, depth=2, steps=200, scan_rounds=5),
     "quick": dict(n=256, k=16, width=32, depth=2, steps=20, scan_rounds=2),
+    "gpu": dict(n=4096, k=64, width=64, depth=2, steps=200, scan_rounds=5),
 }
 
 # The headline's goals (`_common.Goal`), and why a measure misses its goal where it does.

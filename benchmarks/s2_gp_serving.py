@@ -44,6 +44,7 @@ from ._common import (
 SIZES = {
     "full": dict(n=2000, dim=2, batch=64, rounds=60),
     "quick": dict(n=500, dim=2, batch=64, rounds=15),
+    "gpu": dict(n=10000, dim=2, batch=64, rounds=60),
 }
 HAND = "hand-written"
 

@@ -172,3 +172,63 @@ def test_weakly_typed():
     x = internals.weakly_typed(jnp.float32(2.0))
     assert jax.typeof(x).weak_type and x.dtype == jnp.float32
     assert (jnp.ones(2, jnp.bfloat16) * x).dtype == jnp.bfloat16
+
+
+def test_differentiating_in_tells_grad_from_branches_loops_and_vmap():
+    # A hit decided on the host may be read where code runs once per run of the jitted
+    # program: directly, or under `grad`/`jvp`/`vjp`/`linearize` opened there.
+    seen = {}
+
+    def probe(name, outer):
+        def f(x):
+            seen[name] = internals.differentiating_in(internals.current(), outer[0])
+            return x * 2.0
+
+        return f
+
+    def run(name, wrap):
+        outer = [None]
+
+        @jax.jit
+        def g(x):
+            outer[0] = internals.current()
+            return wrap(probe(name, outer), x)
+
+        g(1.0)
+
+    run("direct", lambda f, x: f(x))
+    run("grad", lambda f, x: jax.grad(f)(x))
+    run("jvp", lambda f, x: jax.jvp(f, (x,), (x,))[1])
+    run("vjp", lambda f, x: jax.vjp(f, x)[1](x)[0])
+    run("linearize", lambda f, x: jax.linearize(f, x)[1](x))
+    run("cond", lambda f, x: jax.lax.cond(x > 0, f, f, x))
+    run("scan", lambda f, x: jax.lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0])
+    run("vmap", lambda f, x: jax.vmap(f)(jnp.stack([x, x]))[0])
+    run("checkpoint", lambda f, x: jax.checkpoint(f)(x))
+    run("grad of checkpoint", lambda f, x: jax.grad(jax.checkpoint(f))(x))
+    assert seen == {
+        "direct": True,
+        "grad": True,
+        "jvp": True,
+        "vjp": True,
+        "linearize": True,
+        "cond": False,
+        "scan": False,
+        "vmap": False,
+        "checkpoint": False,
+        "grad of checkpoint": False,
+    }
+
+
+def test_jit_context_changes_with_what_jax_jit_keys_on():
+    before = internals.jit_context()
+    assert internals.jit_context() == before
+    with jax.numpy_dtype_promotion("standard"):
+        assert internals.jit_context() != before
+    flag = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", not flag)
+    try:
+        assert internals.jit_context() != before
+    finally:
+        jax.config.update("jax_threefry_partitionable", flag)
+    assert internals.jit_context() == before
