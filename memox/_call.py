@@ -1,4 +1,6 @@
-"""`memox.call`, `memox.init`, `memox.clear` and `memox.stats`: working with a module's slots."""
+"""Working with a module's slots: `memox.call` (and `run`, the frame a call and the
+compiled wrappers run `fn` in), `memox.init`, `memox.clear`, `memox.invalidate`,
+`memox.hoist`, `memox.strip` and `memox.stats`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,14 @@
 """Every JAX internal memox reads, each behind one function.
 
 Which trace a value belongs to, which inputs a jaxpr uses, a value's `shard_map`
-varying axes, a PRNG key's implementation, and weak types. Each is pinned by
-`tests/test_jax_internals.py` on every JAX in CI's matrix, so a rename fails there
-loudly rather than turning into a silent no-op.
+varying axes, a PRNG key's implementation, weak types, what `jax.jit` keys on. Each runs
+on every JAX in CI's matrix, so a rename fails loudly rather than turning into a silent
+no-op: most are pinned one by one in `tests/test_jax_internals.py`; the others through
+the behaviour that reads them (the staged program and its name stacks: the ledger's
+tests, `tests/test_ledger.py`; `trace_context`: `tests/test_key.py`; `is_batched`:
+`tests/test_vmap.py`; `varying_like`: the `shard_map` cases of `tests/test_sharding.py`;
+`trace_closing_over`: `tests/test_hoist.py`; `process_count`:
+`tests/test_multiprocess.py`).
 
 memox must refuse to store a tracer in a slot that lives at an outer level (a tracer
 leak), and must know when it runs inside a loop body, where a slot cannot change its
