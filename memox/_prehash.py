@@ -189,9 +189,10 @@ class Hits:
         """The hits known for a call of `signature` on `inputs` (the positions of each
         slot's entry leaves, sorted; a static argument), and the index of each one's
         entry (device arrays)."""
+        records = self._records  # one snapshot (another thread may replace it whole)
         hits, indices, compared, same = [], [], None, False
         context = _jax_internals.jit_context()
-        for record in self._records:  # (one snapshot: replaced whole)
+        for record in records:
             if record.signature is not compared:
                 compared = record.signature
                 same = record.context == context and (
@@ -207,7 +208,7 @@ class Hits:
         if not hits:
             return (), []
         found = tuple(hits)
-        variants = self._records[0].variants
+        variants = records[0].variants
         if found not in variants:
             if len(variants) >= MAX_VARIANTS - 1 or _across_processes(inputs):
                 return (), []
