@@ -3,7 +3,7 @@
 
 import importlib.metadata
 
-from . import internal as internal, policies as policies
+from . import _jax_internals, internal as internal, policies as policies
 from ._cached import CachedMethod as CachedMethod, cached as cached
 from ._call import (
     SlotStats as SlotStats,
@@ -24,3 +24,5 @@ from ._slot import Memo as Memo
 
 
 __version__ = importlib.metadata.version("memox")
+
+_jax_internals.hide_from_tracebacks(__path__[0])

@@ -46,13 +46,12 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from typing_extensions import ParamSpec
 
 from . import _prehash
 from ._fingerprint import is_concrete_array

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.extend
 import numpy as np
-from jax._src import config as _config, core as _core
+from jax._src import config as _config, core as _core, traceback_util as _traceback_util
 from jax._src.interpreters import ad as _ad, batching as _batching, partial_eval as _pe
 
 
@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 
 _LOOP_BODIES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
+
+
+def hide_from_tracebacks(path: str) -> None:
+    """Leave the files under `path` out of the tracebacks JAX filters (as Equinox does
+    for its own): a user's error inside `jit` shows their code, not memox's frames."""
+    _traceback_util.register_exclusion(path)
 
 
 def current() -> Any:

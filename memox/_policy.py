@@ -3,7 +3,7 @@
 Every policy decides inside the compiled program, from arrays in the slot, so it keeps
 the tree structure fixed and works inside `jit` and `lax.scan`. Gradients stay exact
 under every policy: when a dependency carries a tangent, the value is recomputed (see
-`_cached.py`).
+`_memo.py`).
 
 - `Exact()` (the default): reuse only while every dependency is bit-for-bit unchanged.
 - `Drift(rtol, atol)`: reuse while every dependency stays within a tolerance of the

@@ -232,3 +232,13 @@ def test_jit_context_changes_with_what_jax_jit_keys_on():
     finally:
         jax.config.update("jax_threefry_partitionable", flag)
     assert internals.jit_context() == before
+
+
+def test_memox_is_hidden_from_jax_filtered_tracebacks():
+    import os
+
+    from jax._src import traceback_util
+
+    import memox
+
+    assert os.path.dirname(memox.__file__) in traceback_util._exclude_paths
