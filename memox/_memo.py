@@ -266,10 +266,13 @@ def _instantiate(tangents: Sequence[Any], primals: Sequence[Any]) -> list[Any]:
         if isinstance(t, SymbolicZero):
             # (JAX types `aval` as `AbstractValue`; a zero of an array has a `ShapedArray`.)
             dtype = t.aval.dtype  # pyright: ignore[reportAttributeAccessIssue]
-            t = (
-                np.zeros(x.shape, dtype)
-                if dtype == jax.dtypes.float0
-                else jnp.zeros(x.shape, dtype)
-            )
+            if dtype == jax.dtypes.float0:
+                t = np.zeros(x.shape, dtype)
+            elif dtype == x.dtype:
+                # (`zeros_like` keeps a 64-bit dtype read with x64 off, as the primal
+                # has it, where `jnp.zeros(shape, float64)` would truncate it and warn.)
+                t = jnp.zeros_like(x)
+            else:
+                t = jnp.zeros(x.shape, dtype)
         out.append(t)
     return out

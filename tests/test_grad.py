@@ -10,6 +10,7 @@ import pytest
 from helpers import Counter, Kernel, gp_loss, gram, hits_and_misses
 
 import memox
+from memox import Memo
 
 
 N = 4
@@ -186,3 +187,30 @@ def test_value_stored_under_compiled_grad_is_a_hit_afterwards():
     assert c.n == 1
     _, k = memox.call(k, Kernel.chol)
     assert c.n == 1 and hits_and_misses(k, "chol_cache") == (1, 1)
+
+
+def test_a_frozen_64_bit_dependency_read_with_x64_off_differentiates():
+    # Found by the fuzzer (grad through `memox.scan` after an x64 op): the zero tangent of
+    # a frozen dependency made under x64 was built with `jnp.zeros(shape, float64)`, which
+    # JAX truncates with x64 off (a warning, an error here). It now has the primal's type.
+    class Mixed(eqx.Module):
+        wide: jax.Array
+        w: jax.Array
+        cache: Memo[jax.Array] = Memo()
+
+        @memox.cached("cache")
+        def value(self):
+            return jnp.sin(self.w) * self.wide.astype(jnp.float32)
+
+    with jax.enable_x64(True):
+        wide = jnp.asarray([0.5, 0.25])
+    model = memox.init(Mixed(wide, jnp.asarray([1.0, 2.0])))
+
+    def loss(w, memoized):
+        m = eqx.tree_at(lambda t: t.w, model, w)
+        if memoized:
+            return jnp.sum(memox.call(m, Mixed.value)[0])
+        return jnp.sum(jnp.sin(w) * m.wide.astype(jnp.float32))
+
+    got = jax.grad(loss)(model.w, True)
+    np.testing.assert_allclose(got, jax.grad(loss)(model.w, False), rtol=1e-6)
