@@ -212,7 +212,11 @@ def jit(
         result, vouched, kept_at = static_out.value
         for k, n in kept_at:
             new_slots[k] = _with_entries(new_slots[k], kept[n])
-        vouched = [(h, entry_leaves(new_slots[k]), i) for (h, k), i in zip(vouched, held_indices)]
+        vouched = [
+            (h, entry_leaves(new_slots[k]), i)
+            for (h, k), i in zip(vouched, held_indices)
+            if k in new_slots  # (a vouched slot was written, so it is returned)
+        ]
         decided.learn(split.signature, vouched, split.flat())
         new_module = split.put(new_slots)
         split.hand_over(new_slots)
