@@ -40,7 +40,7 @@ from ._slot import (
     Path,
     SlotSite,
     entry,
-    lookup,
+    holding,
     passed_on,
     path_name,
     replace_slots,
@@ -253,8 +253,7 @@ class Pins:
             self.enclosing.filled(slot, new, key, value)
         path = self._path(slot)
         if path is not None and path not in self.reads:
-            _, index = lookup(new, key, jnp.ones_like(new.valid))
-            self._record(path, value, index)
+            self._record(path, value, holding(new, key))
 
     def _record(self, path: Path | None, value: Any, index: Any) -> None:
         # Only a call made directly in the body runs in every step.

@@ -321,13 +321,6 @@ def _replaced(slot: Memo, fields: dict[str, Any]) -> Memo:
     return new
 
 
-def _entry_positions(n: int) -> tuple[int, ...]:
-    """Where the entries are among the `n` leaves of an allocated slot (an unused
-    snapshot has none)."""
-    names = [f for f in _SLOT_FIELDS if n == len(_SLOT_FIELDS) or f != "snapshot"]
-    return tuple(j for j, name in enumerate(names) if name in ENTRY_FIELDS)
-
-
 def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:
     """The position of each slot's first leaf among a call's flat inputs (its arrays,
     then the slots' leaves), to the slot's index."""

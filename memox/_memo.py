@@ -45,6 +45,7 @@ from ._slot import (
     Path,
     conformed,
     entry,
+    holding,
     is_memo,
     lookup,
     passed_on,
@@ -132,7 +133,7 @@ class Memoised:
         if markers is None:
             value, new_slot, new_sub = self.op(*operands)
             if claim is not None:  # the host decides the next call (`_prehash.Scope.held`)
-                claim.left(new_slot, lookup(new_slot, key, jnp.ones_like(new_slot.valid))[1])
+                claim.left(new_slot, holding(new_slot, key))
         else:  # the enclosing call checks that this store reaches its outputs
             with markers[0]:
                 value, new_slot, new_sub = self.op(*operands)

@@ -190,6 +190,8 @@ class Hits:
         slot's entry leaves, sorted; a static argument), and the index of each one's
         entry (device arrays)."""
         records = self._records  # one snapshot (another thread may replace it whole)
+        if not records:
+            return (), []
         hits, indices, compared, same = [], [], None, False
         context = _jax_internals.jit_context()
         for record in records:
@@ -223,6 +225,9 @@ class Hits:
     ) -> None:
         """After a call of `signature` on `inputs`: the slots it vouched for, each with
         the entry arrays of the slot it returned and the index of the entry."""
+        if not held:  # (nothing to record: no signature to hash on this call's path)
+            self._records = ()
+            return
         old = self._records
         if old and (old[0].signature is signature or old[0].signature == signature):
             variants = old[0].variants

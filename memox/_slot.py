@@ -333,6 +333,11 @@ def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
     return jnp.any(match), jnp.argmax(match)
 
 
+def holding(slot: Memo, key: Array) -> Array:
+    """The index of the valid entry of `slot` that holds `key` (one is known to)."""
+    return lookup(slot, key, jnp.ones_like(slot.valid))[1]
+
+
 def _clock(slot: Memo) -> Array:
     return slot.hits + slot.misses
 
