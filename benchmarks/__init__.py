@@ -1,6 +1,8 @@
 """memox's benchmarks: `python -m benchmarks [--quick]`. See benchmarks/README.md."""
 
 import os
+import pathlib
+import sys
 
 
 # jaxlib's CPU LAPACK kernels (eigh, cholesky, lu) run on scipy's OpenBLAS. Left to its
@@ -9,3 +11,7 @@ import os
 # is both stable and faster here (README.md, "Environment"). A value set by the caller
 # wins; it only has an effect before NumPy/SciPy/JAX are first imported.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# s9's stiff problems are the tests' (`tests/stiff_problems.py`, `import stiff_problems`
+# as the tests do); appended, so that nothing in tests/ shadows an installed module.
+sys.path.append(str(pathlib.Path(__file__).parents[1] / "tests"))

@@ -16,9 +16,9 @@ Variants:
 - diffrax default: `diffrax.Kvaerno5()` as installed (0.7.2). Its chord iteration
   reports a failure when it has not converged after two iterations (fixed upstream by
   diffrax#754 / optimistix#230), so many steps are rejected;
-- diffrax, fixed chord: `Kvaerno5` with `VeryChord`'s termination fixed as upstream:
-  the same Newton convergence test as the memox root finder, without reuse. The fair
-  baseline for what reuse itself saves;
+- diffrax, fixed chord: `Kvaerno5` with `VeryChord`'s termination fixed as upstream
+  (`memox.diffrax.FixedVeryChord`): the same Newton convergence test as the memox root
+  finder, without reuse. The fair baseline for what reuse itself saves;
 - memox reuse: `ReuseJacobian(Kvaerno5())` (max_age 20, gamma_drift 0.3);
 - memox reuse, refresh on failure only: `max_age` and `gamma_drift` out of reach, so
   that a factorisation is replaced only when the Newton iteration fails with it: the
@@ -40,8 +40,9 @@ Jacobian in `init`); "RHS evals" include the one primal evaluation inside each. 
 scipy, its own `njev`, `nlu`, `nfev` (nfev without the Jacobian's). Errors are the
 max over components of `|y - ref| / (|ref| + atol / rtol)` at the final time, against
 Radau (scipy) at rtol 1e-12 for the classics (stored with them) and rtol 1e-10 with a
-sparse Jacobian for the Brusselator (computed in the run). The problems, the counting
-LU and the fixed-chord baseline are `examples/stiff_problems.py`'s.
+sparse Jacobian for the Brusselator (computed in the run). The problems and the counting
+LU are `tests/stiff_problems.py`'s; the fixed-chord baseline is
+`memox.diffrax.FixedVeryChord`.
 """
 
 from __future__ import annotations
@@ -59,16 +60,9 @@ try:
     import diffrax
     import scipy.integrate
     import scipy.sparse
+    from stiff_problems import CLASSICS, COUNTS, brusselator, kvaerno, relative_error
 
     import memox.diffrax
-    from examples.stiff_problems import (
-        CLASSICS,
-        COUNTS,
-        FixedVeryChord,
-        brusselator,
-        kvaerno,
-        relative_error,
-    )
 except ImportError as error:  # diffrax is an optional extra: `pip install "memox[diffrax]"`
     diffrax = None
     _MISSING = str(error)
@@ -100,7 +94,8 @@ def _tick(name: str) -> None:
 
 def solver(name: str, counting: bool):
     """The variant's solver; `counting`: with a linear solver that counts its LUs."""
-    kvaerno5 = kvaerno(5, FixedVeryChord if name == FIXED else diffrax.VeryChord, counting)
+    chord = memox.diffrax.FixedVeryChord if name == FIXED else diffrax.VeryChord
+    kvaerno5 = kvaerno(5, chord, counting)
     if name == REUSE:
         return memox.diffrax.ReuseJacobian(kvaerno5)
     if name == ON_FAILURE:  # the fewest factorisations any refresh policy can reach

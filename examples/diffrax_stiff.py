@@ -4,9 +4,10 @@ The 2-D Brusselator (reaction-diffusion, 12 x 12 periodic grid, 288 unknowns, st
 from the diffusion) is integrated to t = 0.5 by `diffrax.Kvaerno5` at rtol 1e-6:
 
 - as diffrax does by default (a Jacobian and LU factorisations at every step);
-- the same, with `VeryChord`'s convergence test fixed as upstream (diffrax#754; in
-  diffrax 0.7.2 a chord iteration not converged after two iterations counts as
-  diverged and the step is rejected) -- the fair baseline for what reuse saves;
+- the same, with `VeryChord`'s convergence test fixed as upstream
+  (`memox.diffrax.FixedVeryChord`, diffrax#754; in diffrax 0.7.2 a chord iteration not
+  converged after two iterations counts as diverged and the step is rejected) -- the
+  fair baseline for what reuse saves;
 - wrapped in `memox.diffrax.ReuseJacobian`, which keeps the LU factors in the solver
   state and refactorises only when the step size has drifted by 30%, after 20 steps, or
   when the Newton iteration fails with the old factors.
@@ -17,6 +18,8 @@ solver), errors are relative to scipy's Radau at rtol 1e-10.
     pip install "memox[diffrax]" scipy && python examples/diffrax_stiff.py
 """
 
+import pathlib
+import sys
 import time
 
 import diffrax
@@ -25,9 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.integrate
 import scipy.sparse
-from stiff_problems import COUNTS, FixedVeryChord, brusselator, kvaerno, relative_error
 
 import memox.diffrax
+
+
+sys.path.append(str(pathlib.Path(__file__).parents[1] / "tests"))  # the test problems
+from stiff_problems import COUNTS, brusselator, kvaerno, relative_error  # noqa: E402
 
 
 N, T1, RTOL, ATOL = 12, 0.5, 1e-6, 1e-8
@@ -63,7 +69,7 @@ def main() -> None:
 
     variants = {
         "diffrax Kvaerno5 (0.7.2)": kvaerno(),
-        "Kvaerno5, chord test fixed": kvaerno(5, FixedVeryChord),
+        "Kvaerno5, chord test fixed": kvaerno(5, memox.diffrax.FixedVeryChord),
         "ReuseJacobian(Kvaerno5)": memox.diffrax.ReuseJacobian(kvaerno()),
     }
     print(f"2-D Brusselator, {2 * N * N} unknowns, t in [0, {T1}], rtol={RTOL:g}, atol={ATOL:g}\n")

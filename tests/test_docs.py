@@ -84,15 +84,12 @@ def test_transformations_page_copies_the_design_table():
     assert page[page.index("| combination |") :].strip() == table
 
 
-def _public_names(module: types.ModuleType, defined_here: bool = False) -> set[str]:
-    """`module.name` for each public non-module name of `module`; with `defined_here`,
-    only those defined in it (not what it imports, e.g. `memox.diffrax`'s `jnp`)."""
+def _public_names(module: types.ModuleType) -> set[str]:
+    """`module.name` for each public non-module name of `module`."""
     return {
         f"{module.__name__}.{n}"
         for n, value in vars(module).items()
-        if not n.startswith("_")
-        and not isinstance(value, types.ModuleType)
-        and not (defined_here and getattr(value, "__module__", None) != module.__name__)
+        if not n.startswith("_") and not isinstance(value, types.ModuleType)
     }
 
 
@@ -108,7 +105,7 @@ def test_api_page_lists_every_public_name():
     except ImportError:  # needs diffrax, an extra (CI's oldest cell installs it)
         pass
     else:
-        public |= _public_names(memox_diffrax, defined_here=True)
+        public |= _public_names(memox_diffrax)
         assert {"memox.diffrax.ReuseJacobian", "memox.diffrax.ReuseState"} <= public
     assert public <= documented, sorted(public - documented)
 

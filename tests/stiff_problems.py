@@ -1,7 +1,9 @@
 """Stiff test problems and baselines for diffrax's implicit solvers, in one place.
 
-Used by `examples/diffrax_stiff.py`, benchmark s9 (`benchmarks/s9_diffrax.py`) and
-`tests/test_diffrax.py`:
+Used by `tests/test_diffrax.py`, `examples/diffrax_stiff.py` and benchmark s9
+(`benchmarks/s9_diffrax.py`), all as `import stiff_problems`: it lives in tests/, which
+the sdist ships (examples/ and benchmarks/ are not shipped, and add tests/ to
+`sys.path`):
 
 - `CLASSICS`: Robertson (t in [0, 1e5]), Van der Pol with mu = 1000 (Hairer's scaling,
   eps = 1 / mu^2, t in [0, 2]) and HIRES (t in [0, 321.8122]), each with its
@@ -10,8 +12,8 @@ Used by `examples/diffrax_stiff.py`, benchmark s9 (`benchmarks/s9_diffrax.py`) a
   form: alpha = 10, periodic boundaries, forcing switched on at t = 1.1) on an n x n
   grid, 2 n^2 unknowns;
 - `CountingLU`: `lineax.LU` counting its factorisations as they execute;
-- `FixedVeryChord`: `diffrax.VeryChord` with the convergence test fixed upstream
-  (diffrax#754, after 0.7.2), the unwrapped baseline for what reuse saves.
+- `kvaerno(order, chord)`: `diffrax.Kvaerno{order}` with root finder `chord`, such as
+  `memox.diffrax.FixedVeryChord`, the unwrapped baseline for what reuse saves.
 
 Not a script; float64 is the caller's choice (`jax.config.update("jax_enable_x64",
 True)` or `jax.enable_x64`): at rtol 1e-6 these problems need it.
@@ -25,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
-import optimistix as optx
 
 
 COUNTS = collections.Counter()  # executions, by `CountingLU`
@@ -38,30 +39,6 @@ class CountingLU(lx.LU):
     def init(self, operator, options):
         jax.debug.callback(lambda: COUNTS.update(["lu"]))
         return super().init(operator, options)
-
-
-class FixedVeryChord(diffrax.VeryChord):
-    """`diffrax.VeryChord` whose iteration fails on divergence only: diffrax 0.7.2's also
-    fails one that has not converged after two iterations, so that many steps are
-    rejected (fixed upstream by diffrax#754 and optimistix#230). The same convergence
-    test as the root finder of `memox.diffrax.ReuseJacobian`."""
-
-    def terminate(self, fn, y, args, options, state, tags):
-        at_least_two = state.step >= 2
-        rate = state.diffsize / state.diffsize_prev
-        factor = state.diffsize * rate / (1 - rate)
-        small = state.diffsize < 10 ** (2 - jnp.finfo(state.diffsize.dtype).precision)
-        diverged = ~jnp.isfinite(rate) | (rate > 2)
-        converged = (factor > 0) & (factor < self.kappa)
-        terminate = at_least_two & (small | diverged | converged)
-        result = optx.RESULTS.where(
-            at_least_two & ~small & diverged,
-            optx.RESULTS.nonlinear_divergence,
-            optx.RESULTS.successful,
-        )
-        linsolve_failed = state.result != optx.RESULTS.successful
-        result = optx.RESULTS.where(linsolve_failed, state.result, result)
-        return terminate | linsolve_failed, result
 
 
 def kvaerno(order: int = 5, chord=diffrax.VeryChord, counting: bool = True):
