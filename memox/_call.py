@@ -415,6 +415,19 @@ class SlotStats:
     - `flops_unknown`: primitives of the method that have no FLOP rule (counted as 0 in
       `flops`), with how many times each occurs; empty when `flops` is exact.
     - `flops_saved`: `hits * flops` (per element for a batched module).
+
+    A pytree whose leaves are `hits` and `misses`; `flops` and `flops_unknown` are
+    static (known when the module is traced). So `memox.stats` can run inside
+    `jax.jit` (or `eqx.filter_jit`, `jax.vmap`, ...) and its result be returned: the
+    counts come back as integer arrays, equal to those `memox.stats` gives outside.
+    Two `SlotStats` are equal where their counts are; `flops` is not compared.
+
+    !!! Example
+
+        ```python
+        counts = jax.jit(memox.stats)(foo)  # {'b_cache': SlotStats(hits=Array(2, ...), ...)}
+        assert counts == memox.stats(foo)   # the counts `memox.stats` gives outside
+        ```
     """
 
     hits: int | jax.Array
@@ -427,6 +440,25 @@ class SlotStats:
     @property
     def flops_saved(self) -> int | jax.Array | None:
         return None if self.flops is None else self.hits * self.flops
+
+
+def _flatten_stats(s: SlotStats) -> tuple[tuple, tuple]:
+    counts = ((jtu.GetAttrKey("hits"), s.hits), (jtu.GetAttrKey("misses"), s.misses))
+    # Static fields are compared and hashed as JAX's cache keys: the mapping as a tuple.
+    return counts, (s.flops, tuple(s.flops_unknown.items()))
+
+
+def _unflatten_stats(static: tuple, counts: Any) -> SlotStats:
+    # Built without `__init__`: JAX unflattens with leaves of any type (`None`,
+    # `ShapeDtypeStruct`s, tracers), which a run-time type checker would refuse.
+    s = object.__new__(SlotStats)
+    names = ("hits", "misses", "flops", "flops_unknown")
+    for name, value in zip(names, (*counts, static[0], dict(static[1])), strict=True):
+        object.__setattr__(s, name, value)
+    return s
+
+
+jtu.register_pytree_with_keys(SlotStats, _flatten_stats, _unflatten_stats)
 
 
 def stats(module: Any) -> dict[str, SlotStats]:
@@ -452,7 +484,8 @@ def stats(module: Any) -> dict[str, SlotStats]:
 
     A dict from each slot's path in `module` (e.g. `"b_cache"`, `"encoder.gram_cache"`)
     to its `SlotStats`. Counts are Python ints outside of a trace, arrays inside one or
-    for a batched module (one count per element).
+    for a batched module (one count per element). The dict is a pytree whose leaves are
+    the counts: a function traced by `jax.jit` can return it.
 
     !!! Example
 

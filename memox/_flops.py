@@ -64,6 +64,11 @@ class FlopCount:
       loop bodies and every branch of a `cond` are included, each once.
     - `exact`: whether every equation was priced (`unknown` is empty).
 
+    A pytree without leaves: the count is known when the computation is traced (it is
+    read off shapes), so `flops` and `unknown` are static, and a `FlopCount` returned
+    from `jax.jit` or `jax.vmap` comes back as it was, its count a Python int (as an
+    array of JAX's default 32-bit integers, it would overflow past 2**31 FLOPs).
+
     !!! Example
 
         ```python
@@ -79,6 +84,15 @@ class FlopCount:
     @property
     def exact(self) -> bool:
         return not self.unknown
+
+
+# Static fields are compared and hashed as JAX's cache keys: `unknown` goes into the tree
+# structure as a tuple of its items.
+jax.tree_util.register_pytree_node(
+    FlopCount,
+    lambda count: ((), (count.flops, tuple(count.unknown.items()))),
+    lambda static, _: FlopCount(static[0], dict(static[1])),
+)
 
 
 def count_jaxpr(closed: jax.extend.core.ClosedJaxpr) -> FlopCount:

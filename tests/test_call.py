@@ -251,3 +251,55 @@ def test_init_with_fn_allocates_argument_keyed_slots():
     assert not memox.init(m).cache.allocated  # takes an argument: not allocated alone
     m = memox.init(m, Args.apply, jnp.ones(3))
     assert m.cache.allocated and c.n == 0
+
+
+# -- `memox.stats` as a pytree -----------------------------------------------------------
+#
+# Regression (issue 22): `SlotStats` was not a pytree: `jax.jit` refused to return
+# `memox.stats`, and `eqx.filter_jit` returned it as a static leaf holding its tracers.
+
+
+def test_stats_returned_from_jit_are_the_counts():
+    c = Counter()
+    _, f = memox.call(foo(c), Foo.b)
+
+    @jax.jit
+    def hit_then_stats(m):
+        _, m = memox.call(m, Foo.b)  # a hit, counted in the traced slot
+        return memox.stats(m)
+
+    got = hit_then_stats(f)
+    assert got == {"b_cache": memox.SlotStats(hits=1, misses=1)} and c.n == 1
+    assert got["b_cache"].flops == 8  # (static: of one computation of `b`)
+    for jit in (jax.jit, eqx.filter_jit):
+        got = jit(memox.stats)(f)
+        assert got == memox.stats(f) == {"b_cache": memox.SlotStats(hits=0, misses=1)}
+        for count in jax.tree.leaves(got):
+            assert isinstance(count, jax.Array) and not isinstance(count, jax.core.Tracer)
+    # A batched module: a count per element.
+    fs = eqx.filter_vmap(lambda a: memox.init(Foo(a, c)))(jnp.ones((5, 3, 3)))
+    got = jax.jit(memox.stats)(fs)["b_cache"]
+    assert got.hits.shape == got.misses.shape == (5,) and got.flops == 8
+
+
+def test_slot_stats_leaves_are_the_counts():
+    s = memox.SlotStats(hits=2, misses=1, flops=8, flops_unknown={"sort": 1})
+    assert jax.tree.leaves(s) == [2, 1]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(s)]
+    assert paths == [".hits", ".misses"]
+    # `flops` and `flops_unknown` are static: in the tree structure, which is hashable (a
+    # `jax.jit` cache key) and tells them apart.
+    scaled = jax.tree.map(lambda n: 10 * n, s)
+    assert (scaled.hits, scaled.misses) == (20, 10)
+    assert (scaled.flops, scaled.flops_unknown) == (8, {"sort": 1})
+    other = dataclasses.replace(s, flops_unknown={"fft": 1})
+    assert hash(jax.tree.structure(s)) is not None
+    assert jax.tree.structure(s) != jax.tree.structure(other)
+    # Equality and repr as before: the counts compared, not the FLOPs.
+    assert s == other == memox.SlotStats(hits=2, misses=1)
+    assert s != memox.SlotStats(hits=2, misses=2)
+    assert repr(s) == "SlotStats(hits=2, misses=1, flops=8)"
+    # Rebuilt from leaves of any type, as JAX does (under the run-time type checker too).
+    assert jax.tree.map(lambda _: None, s).hits is None
+    shapes = jax.eval_shape(lambda s: s, jax.tree.map(jnp.int32, s))
+    assert shapes.hits == jax.ShapeDtypeStruct((), jnp.int32) and shapes.flops == 8

@@ -549,3 +549,35 @@ def test_stats_of_vmapped_calls(vmap):
         assert got[name].hits.shape == got[name].misses.shape == (5,)
         # Each call decided once per element: a hit or a miss.
         np.testing.assert_array_equal(got[name].hits + got[name].misses, 2)
+
+
+# -- `FlopCount` and `SlotStats` as pytrees -------------------------------------------------
+#
+# Issue 22: both are returned from `jax.jit`. A count is known when tracing (read off
+# shapes), so a `FlopCount` has no leaves: it comes back as it was, its count a Python
+# int, also past what JAX's default 32-bit integers hold.
+
+
+def test_flop_count_is_a_pytree_without_leaves():
+    count = FlopCount(5, {"sort": 1})
+    assert jax.tree.leaves(count) == []
+    assert jax.tree.map(lambda x: x, count) == count
+    assert repr(jax.tree.map(lambda x: x, count)) == "FlopCount(flops=5, unknown={'sort': 1})"
+    assert hash(jax.tree.structure(count)) is not None  # (a `jax.jit` cache key)
+    assert jax.tree.structure(count) != jax.tree.structure(FlopCount(5, {"fft": 1}))
+    sorted_tanh = jax.jit(lambda x: memox.flops(lambda y: jnp.sort(jnp.tanh(y)), x))
+    assert sorted_tanh(jnp.ones(8)) == FlopCount(8, {"sort": 1})
+    n = 2048
+    big = jax.jit(lambda: (memox.flops(jnp.matmul, _f32(n, n), _f32(n, n)), jnp.ones(())))
+    got, _ = big()
+    assert got == FlopCount(2 * n**3, {}) and type(got.flops) is int and got.flops > 2**31
+
+
+def test_stats_returned_from_jit_keep_their_flops():
+    model = Linear(jnp.ones((4, 5)), jnp.ones((5, 6)))
+    for _ in range(3):
+        _, model = memox.call(model, Linear.prod)
+    got = jax.jit(memox.stats)(model)["prod_cache"]
+    assert got == memox.stats(model)["prod_cache"] == memox.SlotStats(hits=2, misses=1)
+    assert (got.flops, got.flops_unknown) == (2 * 4 * 5 * 6, {})
+    assert got.flops_saved == 2 * 2 * 4 * 5 * 6
