@@ -26,6 +26,12 @@ NOT_CALLABLE = (
     "module, e.g. `memox.{api}(Foo.b)`."
 )
 
+JIT_DONATE = (
+    "`memox.jit`: `donate` must be a bool; got {got}. Pass `donate=True` (the default: "
+    "the module's slot buffers are donated) or `donate=False`. The strings `'all'`, "
+    "`'none'`, ... are the `donate` of `eqx.filter_jit` and `memox.filter_jit`."
+)
+
 BOUND_METHOD = (
     "`memox.{api}`: `fn` is the bound method `{method}`, which carries its own copy of "
     "the module and would be called as `fn(module, ...)` with the module twice. Pass "

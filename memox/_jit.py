@@ -50,7 +50,7 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any, Concatenate
+from typing import Any, Concatenate, overload
 
 import equinox as eqx
 import jax
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _prehash
+from . import _errors, _prehash
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
 from ._slot import (
@@ -87,17 +87,31 @@ def _ready(slot: Memo) -> bool:
     return slot.allocated and not (is_concrete_array(slot.value) and slot.value.is_deleted())
 
 
+_SENTINEL: Any = object()
+
+
+@overload
+def jit(
+    *, donate: bool = True
+) -> Callable[[Fn[Concatenate[M, P], R]], Callable[Concatenate[M, P], tuple[R, M]]]: ...
+@overload
 def jit(
     fn: Fn[Concatenate[M, P], R], /, *, donate: bool = True
-) -> Callable[Concatenate[M, P], tuple[R, M]]:
+) -> Callable[Concatenate[M, P], tuple[R, M]]: ...
+def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> Any:
     """Compile `memox.call(module, fn, ...)`, with `eqx.filter_jit` semantics.
+
+    Use it as `memox.jit(fn)`, `memox.jit(fn, donate=False)`, or as a decorator:
+    `@memox.jit`, `@memox.jit(donate=False)`.
 
     **Arguments:**
 
-    - `fn`: the function to run, called as `fn(module, *args, **kwargs)`.
-    - `donate`: whether the module's slot buffers are donated to the returned module
-      (the default). A hit then copies nothing, where without donation XLA copies each
-      slot's table (the cached values) into a fresh output buffer on every call.
+    - `fn`: the function to run, called as `fn(module, *args, **kwargs)`. Left out, the
+      call returns a decorator taking it (`@memox.jit(donate=False)`).
+    - `donate`: a bool, whether the module's slot buffers are donated to the returned
+      module (`True`, the default). A hit then copies nothing, where without donation
+      XLA copies each slot's table (the cached values) into a fresh output buffer on
+      every call. (Not `eqx.filter_jit`'s strings: `memox.jit` donates only slots.)
       Nothing you hold loses its arrays: a slot is donated only where nothing else
       holds its arrays, and the module you passed in is then given the returned slots
       (it stays usable, serialisable, and hits where its parameters match); where
@@ -125,15 +139,25 @@ def jit(
 
     A function `wrapped(module, *args, **kwargs) -> (result, new_module)`. The arrays of
     `new_module` other than its slots are the caller's own (no copy crosses the
-    boundary).
+    boundary). Without `fn`, a decorator that returns it.
 
     !!! Example
 
         ```python
         use_b = memox.jit(lambda f: f.b())
         b, foo = use_b(foo)   # compiled once; a hit when `foo.a` has not changed
+
+        @memox.jit(donate=False)   # the slots passed in keep their buffers
+        def scaled_b(f, x):
+            return f.b() * x
+
+        y, foo = scaled_b(foo, jnp.float32(2.0))
         ```
     """
+    if not isinstance(donate, bool):
+        raise TypeError(_errors.JIT_DONATE.format(got=repr(donate)))
+    if fn is _SENTINEL:
+        return functools.partial(jit, donate=donate)
     check_fn("jit", fn)
     # Which input arrays cached methods fingerprinted (learned from the traces), and
     # their fingerprints per call, computed outside (`_prehash.py`).

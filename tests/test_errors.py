@@ -279,3 +279,20 @@ def test_every_message_says_what_to_do():
     for name, text in messages.items():
         assert "`" in text, name
         assert any(v in text for v in verbs), name
+
+
+# `memox.jit`'s `donate` is a bool: a string of `eqx.filter_jit`'s (`"none"`, truthy)
+# would silently donate. Checked in both forms, before `fn` is looked at.
+@pytest.mark.parametrize("donate", ["none", "all", 0, None])
+def test_jit_donate_must_be_a_bool(donate):
+    message = rf"`memox.jit`: `donate` must be a bool; got {re.escape(repr(donate))}\. Pass"
+    with pytest.raises(TypeError, match=message):
+        memox.jit(Foo.b, donate=donate)
+    with pytest.raises(TypeError, match=message):
+        memox.jit(donate=donate)
+
+
+@pytest.mark.parametrize("fn", [3, "Foo.b", None])
+def test_jit_as_a_decorator_factory_checks_fn(fn):
+    with pytest.raises(TypeError, match=r"`memox.jit`: `fn` must be callable; got"):
+        memox.jit(donate=False)(fn)

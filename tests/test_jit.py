@@ -449,3 +449,78 @@ def test_slots_deleted_by_a_donation_elsewhere_recompute_with_a_hint():
     ):
         b, f = memox.jit(Foo.b)(f)
     assert c.n == 2 and b == jnp.sum(f.a)
+
+
+# -- `memox.jit`'s forms: `memox.jit(fn)`, `memox.jit(fn, donate=...)`, and as a decorator --
+#
+# Issue 22: `@memox.jit(donate=False)` (a decorator factory, as `memox.filter_jit(donate=...)`
+# is) raised, `fn` being required.
+
+
+def _donated(step) -> bool:
+    """Whether `step`, a `memox.jit` of a function `(Two, x)` that fills `first`,
+    donates: the caller's array of an untouched slot comes back as itself only without
+    donation (with it, a copy is donated, since the caller holds it)."""
+    m = memox.call(Two(jnp.ones(3), Counter()), Two.two)[1]
+    before = m.second.value
+    _, m = step(m, jnp.float32(1))
+    return m.second.value is not before
+
+
+def _forms(fn):
+    @memox.jit
+    def bare(m, x):
+        return fn(m, x)
+
+    @memox.jit(donate=False)
+    def without_donation(m, x):
+        return fn(m, x)
+
+    @memox.jit()
+    def empty_call(m, x):
+        return fn(m, x)
+
+    return {
+        "memox.jit(fn)": (memox.jit(fn), True),
+        "memox.jit(fn, donate=False)": (memox.jit(fn, donate=False), False),
+        "memox.jit(fn, donate=True)": (memox.jit(fn, donate=True), True),
+        "@memox.jit": (bare, True),
+        "@memox.jit(donate=False)": (without_donation, False),
+        "@memox.jit()": (empty_call, True),
+        "memox.jit(donate=False)(fn)": (memox.jit(donate=False)(fn), False),
+    }
+
+
+FORMS = list(_forms(lambda m, x: x))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_compiles_once_and_computes_once(form):
+    c = Counter()
+    traces = 0
+
+    def fn(m, x):
+        nonlocal traces
+        traces += 1
+        return m.one() * x
+
+    step, donate = _forms(fn)[form]
+    m = Two(jnp.arange(3.0), c)
+    for i in range(4):
+        y, m = step(m, jnp.float32(i))
+        np.testing.assert_array_equal(y, (jnp.arange(3.0) + 1) * i)
+    # Two programs (the second: the hit decided on the host), one computation.
+    assert (traces, c.n) == (2, 1)
+    assert memox.stats(m)["first"] == memox.SlotStats(hits=3, misses=1)
+    assert callable(step.lower)  # pyright: ignore[reportFunctionMemberAccess]
+    # `donate=` is honoured in every form.
+    assert _donated(_forms(lambda m, x: m.one())[form][0]) is donate
+
+
+def test_the_decorated_function_keeps_its_name():
+    @memox.jit(donate=False)
+    def step(m):
+        """Doc."""
+        return m.one()
+
+    assert (step.__name__, step.__doc__) == ("step", "Doc.")
