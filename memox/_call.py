@@ -387,6 +387,15 @@ def strip(module: M) -> M:
     `eqx.tree_serialise_leaves(path, memox.strip(model))`), and restore it into
     `memox.strip(like)` (slots refill on first use). It is a module as constructed.
 
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots, typically an `eqx.Module`.
+
+    **Returns:**
+
+    `module` with every slot empty (as `memox.Memo()` constructs it); its other leaves
+    are `module`'s own.
+
     !!! Example
 
         ```python
