@@ -5,6 +5,7 @@ import importlib.metadata
 
 from . import _jax_internals, internal as internal, policies as policies
 from ._cached import CachedMethod as CachedMethod, cached as cached
+from ._caches import clear_caches as clear_caches
 from ._call import (
     SlotStats as SlotStats,
     call as call,

@@ -77,6 +77,7 @@ import numpy.typing as npt
 from jax import lax
 from jaxtyping import Array, UInt32
 
+from ._caches import register
 from ._storage import Bits, as_data, to_bits
 
 
@@ -220,6 +221,7 @@ class _Known:
     def __init__(self) -> None:
         # id -> (weak reference, fingerprint, fingerprint in NumPy or None)
         self._entries: dict[int, tuple[weakref.ref, Array | np.ndarray, np.ndarray | None]] = {}
+        register("fingerprints", self._entries)
 
     def _entry(self, x: jax.Array) -> tuple[weakref.ref, Array | np.ndarray, np.ndarray | None]:
         entry = self._entries.get(id(x))

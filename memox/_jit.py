@@ -59,6 +59,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _errors, _prehash
+from ._caches import Cache, register
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
 from ._slot import (
@@ -376,8 +377,10 @@ class _ByIdentity:
     are usable (none donated since; a slot still empty, such as one keyed by arguments,
     is as allocation would leave it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str | None = None) -> None:
         self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+        if name is not None:  # a process-wide table (not a wrapper's own)
+            register(name, self._entries)
 
     def get(self, key: Any) -> Any | None:
         entry = self._entries.get(id(key))
@@ -428,7 +431,7 @@ def allocated(tree: Any) -> Any:
     return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
 
 
-_allocated = _ByIdentity()
+_allocated = _ByIdentity("allocated modules")
 
 
 def allocated_once(tree: Any) -> Any:
@@ -455,7 +458,7 @@ try:  # `eqx.is_array`, inlined (called on every leaf at every call)
     from equinox._filters import _ARRAY_TYPES
 except ImportError:  # pragma: no cover
     _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-_MEMO_TYPES: dict[type, bool] = {}
+_MEMO_TYPES = Cache("memo types", 4096)  # type -> whether it is a `Memo`
 
 
 def _is_memo(x: Any) -> bool:
@@ -464,7 +467,7 @@ def _is_memo(x: Any) -> bool:
     kind = type(x)
     found = _MEMO_TYPES.get(kind)
     if found is None:
-        found = _MEMO_TYPES[kind] = is_memo(x)
+        found = _MEMO_TYPES.put(kind, is_memo(x))
     return found
 
 
@@ -478,7 +481,7 @@ class _SlotLeaf:
     j: int
 
 
-_SLOT_LEAVES: dict[tuple[int, int], _SlotLeaf] = {}
+_SLOT_LEAVES = Cache("slot leaf markers", 1 << 16)  # (index, j) -> _SlotLeaf
 
 
 def _slot_leaf(index: int, j: int) -> _SlotLeaf:
@@ -486,7 +489,7 @@ def _slot_leaf(index: int, j: int) -> _SlotLeaf:
     `jax.jit` looks its signature up)."""
     found = _SLOT_LEAVES.get((index, j))
     if found is None:
-        found = _SLOT_LEAVES[index, j] = _SlotLeaf(index, j)
+        found = _SLOT_LEAVES.put((index, j), _SlotLeaf(index, j))
     return found
 
 
@@ -512,7 +515,7 @@ class _Layout:
         return node
 
 
-_layouts: dict[Any, _Layout | None] = {}
+_layouts = Cache("layouts", 1024)  # PyTreeDef -> _Layout | None
 
 
 def _layout(treedef: Any) -> _Layout | None:
@@ -532,10 +535,7 @@ def _layout(treedef: Any) -> _Layout | None:
         found = _Layout(tuple(ranges), tuple(paths))
     except Exception:  # a node that checks its leaves: the general path
         found = None
-    if len(_layouts) > 1024:
-        _layouts.clear()
-    _layouts[treedef] = found
-    return found
+    return _layouts.put(treedef, found)
 
 
 @dataclasses.dataclass

@@ -96,6 +96,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _errors, _jax_internals
+from ._caches import Cache
 
 
 if TYPE_CHECKING:
@@ -154,19 +155,15 @@ class _Local:
     object is in the table). The table is bounded: when full it starts afresh with new
     numbers, which only costs misses."""
 
-    _MAX = 1 << 16
-
     def __init__(self) -> None:
-        self._entries: dict[Any, tuple[int, Any]] = {}
+        self._entries = Cache("numbered parts", 1 << 16)  # key -> (number, part)
         self._numbers = itertools.count()
 
     def number(self, part: Any, by_identity: bool) -> int:
         key = ("id", id(part)) if by_identity else (type(part), part)
         found = self._entries.get(key)
         if found is None:
-            if len(self._entries) >= self._MAX:
-                self._entries.clear()
-            found = self._entries[key] = (next(self._numbers), part)
+            found = self._entries.put(key, (next(self._numbers), part))
         return found[0]
 
 
@@ -229,9 +226,7 @@ class _Tokens:
             del self._open[id(x)]
             reach, self._reach = self._reach, min(outer, self._reach)
         if coded and reach >= depth:  # no reference to an object outside `x`: its own
-            if len(_CODED) >= 4096:
-                _CODED.clear()
-            _CODED[id(x)] = (x, out)  # (holds `x`: its id is not reused while remembered)
+            _CODED.put(id(x), (x, out))  # (holds `x`: its id is not reused while remembered)
         return out
 
     def _compound(self, x: Any, kind: type) -> Any:
@@ -444,10 +439,10 @@ class _AbcRegistry:
         self.classes = frozenset(filter(None, (ref() for ref in registry)))
 
 
-_CODED: dict[int, tuple[Any, Any]] = {}  # id -> (function, code object or class, token)
+_CODED = Cache("tokens of code", 4096)  # id -> (function or class, token)
 
 
-_NAMES: dict[int, tuple[Any, str | None]] = {}
+_NAMES = Cache("importable names", 4096)  # id -> (object, name or None)
 
 
 def importable_name(x: Any) -> str | None:
@@ -458,9 +453,7 @@ def importable_name(x: Any) -> str | None:
     if found is not None and found[0] is x:
         return found[1]
     name = _importable_name(x)
-    if len(_NAMES) >= 4096:
-        _NAMES.clear()
-    _NAMES[id(x)] = (x, name)  # (holds `x`: its id is not reused while remembered)
+    _NAMES.put(id(x), (x, name))  # (holds `x`: its id is not reused while remembered)
     return name
 
 
@@ -513,7 +506,7 @@ def node_token(x: Any) -> Any:
     kind = type(x)
     rule = _NODE_RULES.get(kind)
     if rule is None:
-        rule = _NODE_RULES[kind] = _node_rule(x)
+        rule = _NODE_RULES.put(kind, _node_rule(x))
     return None if rule is _NO_DATA else rule(x)
 
 
@@ -557,7 +550,7 @@ def _names_read(code: types.CodeType) -> set[str]:
 
 
 _EMPTY_CELL = "\x00empty"  # a closure cell not yet assigned
-_NODE_RULES: dict[type, Any] = {}
+_NODE_RULES = Cache("node rules", 4096)  # type -> how to token its node data
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import _context, _errors, _jax_internals, _ledger, _prehash
+from ._caches import Cache
 from ._fingerprint import combine
 from ._plan import Call, Method, Parts, Plan
 from ._policy import fresh
@@ -98,9 +99,7 @@ class Memoised:
         found = _MADE.get(call.plan)
         if found is None:
             found = cls(call.method, call.plan, call.parts, call.arg_parts, len(call.arrays))
-            if len(_MADE) >= 4096:
-                _MADE.clear()
-            _MADE[call.plan] = found
+            _MADE.put(call.plan, found)
         return found
 
     # -- one call ------------------------------------------------------------------------
@@ -249,7 +248,7 @@ class Memoised:
         return (retyped(value, self.plan.spec), new_slot, sub), (value_tangent, *zeros)
 
 
-_MADE: dict[Plan, Memoised] = {}
+_MADE = Cache("memoised operations", 4096)  # Plan -> Memoised
 
 
 def _slot_paths(module: Any) -> list[Path]:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _context, _errors, _jax_internals
+from ._caches import Cache
 from ._jax_internals import trace_context
 from ._key import StaticKey, explicit_sharding, node_token, signature, static_key, token
 from ._policy import Policy
@@ -116,9 +117,8 @@ class Plan:
         return packed_size(self.deps) if policy.snapshots else None
 
 
-_PLANS: dict[tuple[Method, StaticKey], Plan] = {}
-_LATEST: dict[Method, Plan] = {}
-_MAX_PLANS = 4096
+_PLANS = Cache("plans", 4096)  # (method, static key) -> Plan
+_LATEST = Cache("latest plans", 4096)  # method -> Plan
 _SUPPORTED = (jnp.bool_, jnp.integer, jnp.unsignedinteger, jnp.floating, jnp.complexfloating)
 
 
@@ -168,14 +168,11 @@ def plan(
         key,
         functools.partial(_count, method, run, structs),
     )
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[(method, key)] = found
-    _LATEST[method] = found
-    return found
+    _PLANS.put((method, key), found)
+    return _LATEST.put(method, found)
 
 
-_KEYS: dict[tuple[Any, ...], StaticKey] = {}
+_KEYS = Cache("static keys", 4096)  # the parts of a call -> StaticKey
 
 
 def _static_key(
@@ -209,9 +206,7 @@ def _static_key(
             token(tuple(map(signature, arg_arrays))),
         )
         if fast is not None:
-            if len(_KEYS) >= _MAX_PLANS:
-                _KEYS.clear()
-            _KEYS[fast] = found
+            _KEYS.put(fast, found)
     return found
 
 
