@@ -11,16 +11,17 @@ the method's plan, never stored in the slot, and gives a read value back its typ
 (`jax.dtypes.itemsize_bits`), says how an element is seen as an unsigned integer, here
 and by the fingerprint (`_fingerprint.words`), on the device and in NumPy alike:
 
-- an element of `b` bits is bit-cast to JAX's unsigned integer of `b` bits (`uint4`
-  for `int4` and `float4_e2m1fn`, `uint8` for the float8 family, ...) and held,
-  zero-extended, in the unsigned integer of its storage size (`itemsize` bytes, as in
-  NumPy: one byte for a sub-byte element). In NumPy the storage is viewed directly and
-  masked to `b` bits (NumPy keeps a sub-byte element in the low bits of its byte);
+- an element of 8 bits or more is bit-cast to JAX's unsigned integer of its width
+  (`uint8` for the float8 family, `uint16` for `bfloat16`, ...);
 - `bool` by value (0 or 1): XLA does not bit-cast it;
-- a dtype of a width JAX has no unsigned integer for (`float6_*`) by value, converted
-  to the 32-bit type of its kind and bit-cast: exact, and injective, which `Bits.of`
-  checks on all `2**b` bit patterns (every one finite, and all distinct) before using
-  it; a dtype that fails the check is refused.
+- a sub-byte element (`int4`, `uint2`, `float4_e2m1fn`, `float6_*`: any `b < 8`) by
+  value, converted to the narrowest standard type of its kind that holds every value
+  (`int8`/`uint8` for integers, `float16` for floats) and bit-cast from there: exact,
+  and injective, which `Bits.of` checks on all `2**b` bit patterns (every one finite,
+  and all distinct) before using it; a dtype that fails the check is refused. Never a
+  bit-cast of a sub-byte type: XLA:CPU miscompiles one whose operand it produced by a
+  conversion (an `i8` bit-cast to `i4`: "Invalid bitcast", found with a `float4_e2m1fn`
+  slice stored in a `lax.scan` body), and a conversion is what XLA emits anyway.
 
 No list of dtype names: a new dtype is covered by its width.
 """
@@ -118,6 +119,11 @@ def _retyped(x: Array, t: LeafType) -> Array:
     return x
 
 
+def strong(value: PyTree[Array]) -> PyTree[Array]:
+    """`value` without weak types, so that a computed and a stored value type-match."""
+    return jtu.tree_map(lambda x: lax.convert_element_type(x, jnp.result_type(x)), value)
+
+
 def retyped(value: PyTree[Array], spec: Spec) -> PyTree[Array]:
     """`value` (as computed, made strongly typed) with the types of `spec`'s leaves."""
     if not spec.types:
@@ -135,10 +141,9 @@ class Bits:
     module docstring): `to_bits` and `from_bits` on the device, `host_bits` in NumPy."""
 
     dtype: np.dtype
-    unsigned: np.dtype  # what holds an element's bits (its storage size: >= 1 byte)
-    inner: np.dtype  # what an element is first made: `uint{b}`, or a value's type
-    by_value: bool  # converted to `inner` by value (bool; no `uint{b}`), not bit-cast
-    mask: int = 0  # sub-byte (nonzero): the element's bits within the byte holding it
+    unsigned: np.dtype  # what holds an element's bits
+    inner: np.dtype  # the type bit-cast to `unsigned`: the dtype, or one it converts to
+    by_value: bool  # converted to `inner` by value (bool, sub-byte), not bit-cast
 
     @staticmethod
     @functools.cache
@@ -146,42 +151,42 @@ class Bits:
         dtype = np.dtype(dtype)
         if dtype == np.bool_:
             return Bits(dtype, np.dtype(np.uint8), np.dtype(np.uint8), True)
-        b, storage = jax.dtypes.itemsize_bits(dtype), np.dtype(f"uint{8 * dtype.itemsize}")
-        same = getattr(jnp, f"uint{b}", None)
-        if same is not None:
-            mask = (1 << b) - 1 if b < 8 * storage.itemsize else 0
-            return Bits(dtype, storage, np.dtype(same), False, mask)
-        via = np.dtype(np.float32 if jnp.issubdtype(dtype, jnp.floating) else np.int32)
-        if b <= 16:  # check the conversion on every bit pattern
-            values = np.arange(2**b, dtype=storage).view(dtype).astype(via)
-            if np.isfinite(values).all() and len(np.unique(values.view(np.uint32))) == 2**b:
-                return Bits(dtype, np.dtype(np.uint32), via, True)
+        b = jax.dtypes.itemsize_bits(dtype)
+        if b >= 8:
+            return Bits(dtype, np.dtype(getattr(jnp, f"uint{b}")), dtype, False)
+        for via in _WIDER[
+            jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.signedinteger)
+        ]:
+            # Checked on every bit pattern: exact, and injective.
+            values = np.arange(2**b, dtype=np.uint8).view(dtype).astype(via)
+            bits = values.view(f"uint{8 * via.itemsize}")
+            if np.isfinite(values).all() and len(np.unique(bits)) == 2**b:
+                return Bits(dtype, bits.dtype, via, True)
         raise TypeError(NO_BITS.format(dtype=dtype.name, bits=b))
 
     def to_bits(self, x: Array) -> Array:
-        if self.by_value:
-            x = x.astype(self.inner)
-        elif x.dtype != self.inner:
-            x = lax.bitcast_convert_type(x, self.inner)
-        if x.dtype == self.unsigned:
-            return x
-        return x.astype(self.unsigned) if self.mask else lax.bitcast_convert_type(x, self.unsigned)
+        x = x.astype(self.inner) if self.by_value else x
+        return lax.bitcast_convert_type(x, self.unsigned) if x.dtype != self.unsigned else x
 
     def from_bits(self, u: Array) -> Array:
-        if self.mask:
-            u = u.astype(self.inner)
-        elif u.dtype != self.inner:
-            u = lax.bitcast_convert_type(u, self.inner)
-        if self.by_value:
-            return u.astype(self.dtype)
-        return lax.bitcast_convert_type(u, self.dtype) if u.dtype != self.dtype else u
+        u = lax.bitcast_convert_type(u, self.inner) if u.dtype != self.inner else u
+        return u.astype(self.dtype) if self.by_value else u
 
     def host_bits(self, x: np.ndarray) -> np.ndarray:
         """`to_bits`, in NumPy: the same bits."""
-        if self.by_value:
-            return np.asarray(x).astype(self.inner).view(self.unsigned)
-        u = np.ascontiguousarray(x).view(self.unsigned)
-        return u & self.unsigned.type(self.mask) if self.mask else u
+        x = np.asarray(x).astype(self.inner) if self.by_value else np.ascontiguousarray(x)
+        return x.view(self.unsigned)
+
+
+# The types a sub-byte element is converted to by value, narrowest first, by (floating,
+# signed): integers to the 8-bit integer of their signedness, floats to `float16` (or
+# `float32`, for a format `float16` does not hold).
+_WIDER = {
+    (True, False): (np.dtype(np.float16), np.dtype(np.float32)),
+    (True, True): (np.dtype(np.float16), np.dtype(np.float32)),
+    (False, True): (np.dtype(np.int8),),
+    (False, False): (np.dtype(np.uint8),),
+}
 
 
 def _float_view(dtype: np.dtype) -> np.dtype:

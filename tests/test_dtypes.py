@@ -219,7 +219,7 @@ _CASES = [
 @pytest.mark.parametrize("name, size", _CASES)
 def test_cached_values_and_dependencies_of_every_dtype(name, size, mode):
     # Regression (issue 18): int4/uint4/float4_e2m1fn dependencies crashed the device
-    # hash (above 65,536 elements), a float4 value crashed its storage, and int2/uint2
+    # hash (above 65,536 elements), a float4 value crashed its storage, int2/uint2
     # fingerprints differed between the host and the device.
     _supported(name)
     with _x64(name):
@@ -244,3 +244,35 @@ def test_cached_values_and_dependencies_of_every_dtype(name, size, mode):
         assert runs == [2, 2, 4]  # both methods: miss, hit, miss
         stats = memox.stats(model)
         assert (stats["one"].hits, stats["one"].misses) == (1, 2)
+
+
+class Packed(eqx.Module):
+    t: jax.Array
+    both: Memo[tuple[jax.Array, jax.Array]] = Memo()
+
+    @memox.cached("both")
+    def value(self):  # a slice of `t` and a float32, packed into one byte vector
+        return self.t[1:], jnp.max(self.t.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("name", sorted(_SUB_BYTE))
+def test_a_sub_byte_slice_stored_in_a_loop_body(name):
+    # Regression (issue 18, found by the fuzzer): a `float4_e2m1fn` slice stored in a
+    # `lax.scan` body failed to compile on XLA:CPU ("Invalid bitcast i8 to i4": XLA
+    # slices a sub-byte array through `float16` and the bit-cast of that conversion's
+    # result to `uint4` is miscompiled). memox bit-casts no sub-byte type (`Bits`).
+    _supported(name)
+    # (No callback counts executions here: it changes what XLA fuses, and the crash
+    # needs the fusion; `memox.stats` counts the decisions.)
+    host, _ = _random_bits(name, (4,), seed=2)
+    model = memox.init(Packed(jnp.asarray(host)), Packed.value)
+
+    def body(m, _):
+        y, m = memox.call(m, Packed.value)
+        return m, y
+
+    model, (tails, tops) = jax.jit(lambda m: jax.lax.scan(body, m, length=2))(model)
+    assert memox.stats(model)["both"] == memox.SlotStats(hits=1, misses=1)
+    for i in range(2):
+        assert _bits(tails[i]) == _bits(host[1:])
+        assert float(tops[i]) == float(np.max(host.astype(np.float32)))
