@@ -141,8 +141,7 @@ def plan(
     key = _static_key(method, module, arrays, args, arg_arrays)
     found = _PLANS.get((method, key))
     if found is not None:
-        _LATEST[method] = found
-        return found
+        return _LATEST.put(method, found)
 
     def run(arrays: list[Any], arg_arrays: list[Any]) -> Any:
         a, k = args.rebuild(arg_arrays)
@@ -215,8 +214,16 @@ def _aval(x: Any) -> Any:
     return aval if aval is not None else jax.typeof(x)
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
+def _struct(x: Any) -> Any:
+    """What the method is planned on for array `x`: a `ShapeDtypeStruct` of its type,
+    or its abstract value itself where its dtype is not canonical (a 64-bit array made
+    under `jax.enable_x64` and read with x64 off: JAX keeps such an array's type, but
+    truncates a `ShapeDtypeStruct`'s, with a warning, on jax >= 0.12)."""
     aval = jax.typeof(x)
+    if not _jax_internals.is_key(aval.dtype) and (
+        jax.dtypes.canonicalize_dtype(aval.dtype) != aval.dtype
+    ):
+        return aval
     sharding = getattr(aval, "sharding", None)
     return jax.ShapeDtypeStruct(
         aval.shape,

@@ -94,7 +94,9 @@ class LeafType:
 
     @classmethod
     def of(cls, x: Any) -> LeafType:
-        aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+        aval = (
+            x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.AbstractValue)) else jax.typeof(x)
+        )
         key_impl = None
         if _jax_internals.is_key(aval.dtype):
             key_impl = _jax_internals.key_impl_name(aval.dtype)

@@ -189,12 +189,6 @@ def test_value_stored_under_compiled_grad_is_a_hit_afterwards():
     assert c.n == 1 and hits_and_misses(k, "chol_cache") == (1, 1)
 
 
-@pytest.mark.xfail(
-    tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 12),
-    reason="jax 0.12 warns when memox plans a method on a 64-bit array read with x64 off "
-    "(its ShapeDtypeStruct is truncated): an open issue, found with this test",
-    strict=True,
-)
 def test_a_frozen_64_bit_dependency_read_with_x64_off_differentiates():
     # Found by the fuzzer (grad through `memox.scan` after an x64 op): the zero tangent of
     # a frozen dependency made under x64 was built with `jnp.zeros(shape, float64)`, which
