@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 import equinox as eqx
 
 from . import _context, _errors, _ledger, _prehash
+from ._hoist import Hoisted
 from ._key import token
 from ._memo import memoised
 from ._plan import Call, Method, latest
 from ._policy import Exact, Policy
-from ._slot import Hoisted, Memo, annotations_of, is_memo_annotation
+from ._slot import Memo, annotations_of, is_memo_annotation
 from ._typing import P, R
 
 

@@ -34,20 +34,10 @@ import jax.tree_util as jtu
 from . import _jax_internals, _prehash
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import (
-    ENTRY_FIELDS,
-    Memo,
-    Path,
-    SlotSite,
-    entry,
-    holding,
-    passed_on,
-    path_name,
-    replace_slots,
-    slot_sites,
-    slots,
-)
+from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites, slots
+from ._slot import ENTRY_FIELDS, Memo
 from ._storage import Spec
+from ._table import entry, holding, passed_on
 
 
 class Frame:

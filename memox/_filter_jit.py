@@ -56,7 +56,8 @@ import jax.tree_util as jtu
 from . import _prehash
 from ._fingerprint import is_concrete_array
 from ._jit import allocated_once, copied
-from ._slot import EMPTY, Memo, entry_leaves, is_memo
+from ._slot import EMPTY, Memo, is_memo
+from ._table import entry_leaves
 
 
 _P = ParamSpec("_P")

@@ -1,4 +1,4 @@
-"""The view `memox.hoist` returns: cached values read ahead, in place of their slots.
+"""`memox.hoist`: cached values read ahead, in place of their slots.
 
 `memox.hoist(module)` reads each cached method's value once, through the running call,
 and returns the module with a `Hoisted` node in place of each slot. Inside a computation
@@ -45,13 +45,79 @@ import jax
 import jax.tree_util as jtu
 from jax._src.interpreters import ad as _ad
 
-from . import _jax_internals
+from . import _errors, _jax_internals
+from ._typing import M
 
 
 if TYPE_CHECKING:
     import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
+    from ._cached import MethodArg
     from ._plan import Method, Parts
+
+
+def hoist(module: M, /, *methods: MethodArg) -> M:
+    """Read cached values now, for a computation that `memox.call` cannot see into.
+
+    Inside `memox.call` or `memox.jit`, a cached method called inside a transformation
+    that rebuilds the module (`eqx.filter_jit`, `jax.jit`, a loop body, a diffrax solve)
+    cannot reach its slot, and computes at every evaluation (memox warns). `hoist` reads
+    the value of each cached method without arguments once, through the running call (a
+    hit, or one computation that fills the slot), and returns the module with those
+    values in place of their slots: inside the transformation the method returns its
+    value with no check and no branch, as if you had hoisted it by hand.
+
+    Gradients are exact: each value is the method's value at the view's arrays, and is
+    differentiated as such. A gradient taken outside the call, or inside `fn` around
+    `hoist` itself, reaches the value where it was read (no recomputation, diffrax's
+    adjoints included). A gradient taken inside `fn` *with respect to the view* or its
+    arrays (`jax.grad`, `eqx.filter_grad`, `jax.jvp`, `jax.vjp` of a function of the
+    view) differentiates the method on the view where it is read, so it computes at each
+    such read, as the unmemoized code does (the view's value leaves get no gradient of
+    their own). To read once, call `hoist` inside the differentiated function.
+
+    The returned module is a view for that one computation: use the module `memox.call`
+    returns afterwards, not the view (its values do not follow changes made to it).
+
+    **Arguments:**
+
+    - `module`: the module (or a part of it) that `fn` received.
+    - `*methods`: cached methods to read, unbound (`VectorField.weight`); none: every
+      cached method without arguments in `module`.
+
+    **Returns:**
+
+    `module` with those methods' slots replaced by their values.
+
+    !!! Example
+
+        ```python
+        def solve(model, y0):
+            term = diffrax.ODETerm(memox.hoist(model))   # model.weight(): once per solve
+            return diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0).ys
+
+        ys, model = memox.call(model, solve, y0)
+        ```
+    """
+    # (Imported here: `_sites` and `_cached` import this module, for `Hoisted`.)
+    from . import _context
+    from ._cached import CachedMethod, method_for
+    from ._call import check_module
+    from ._sites import replace_slots, slot_sites
+
+    if not isinstance(_context.top(), _context.Frame):
+        raise ValueError(_errors.HOIST_OUTSIDE_CALL)
+    check_module("hoist", module)
+    for method in methods:
+        if not isinstance(method, CachedMethod):
+            raise TypeError(_errors.NOT_CACHED.format(api="hoist", got=repr(method)))
+    new = {}
+    for site in slot_sites(module):
+        method = method_for(site.owner, site.field) if site.field else None
+        if method is None or method.takes_arguments or (methods and method not in methods):
+            continue
+        new[site.path] = Hoisted(method(site.owner))
+    return replace_slots(module, new)
 
 
 class Hoisted:
@@ -72,8 +138,8 @@ class Hoisted:
         """The value of `method` on `module` (which holds this node in place of its slot):
         the value read ahead, whose tangent is the method's own where a differentiation
         opened after the read moves what the method reads."""
-        # (Imported here: `_slot` holds `Hoisted` in place of slots, and `_plan` and
-        # `_context` import `_slot`.)
+        # (Imported here: `_sites` holds `Hoisted` in place of slots, and `_plan` and
+        # `_context` import `_sites`.)
         from ._plan import Parts, plan
 
         parts, arrays = Parts.split(module)

@@ -62,17 +62,9 @@ from . import _errors, _prehash
 from ._caches import Cache, register
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._fingerprint import is_concrete_array
-from ._slot import (
-    ENTRY_FIELDS,
-    Memo,
-    Path,
-    _child,
-    entry_leaves,
-    is_empty,
-    is_memo,
-    replace_slots,
-    slots,
-)
+from ._sites import Path, _child, replace_slots, slots
+from ._slot import ENTRY_FIELDS, Memo, is_empty, is_memo
+from ._table import entry_leaves
 from ._typing import Fn, M, P, R
 
 

@@ -41,21 +41,10 @@ from ._caches import Cache
 from ._fingerprint import combine
 from ._plan import Call, Method, Parts, Plan
 from ._policy import fresh
-from ._slot import (
-    Memo,
-    Path,
-    conformed,
-    entry,
-    holding,
-    is_memo,
-    lookup,
-    passed_on,
-    path_name,
-    stored,
-    strong,
-    touched,
-)
-from ._storage import as_data, pack, retyped, unpack
+from ._sites import Path, path_name
+from ._slot import Memo, is_memo
+from ._storage import as_data, pack, retyped, strong, unpack
+from ._table import conformed, entry, holding, lookup, passed_on, stored, touched
 
 
 if TYPE_CHECKING:

@@ -24,8 +24,10 @@ from ._caches import Cache
 from ._jax_internals import trace_context
 from ._key import StaticKey, explicit_sharding, node_token, signature, static_key, token
 from ._policy import Policy
-from ._slot import Memo, Path, allocate, conformed, is_memo, mesh_of, path_name
+from ._sites import Path, path_name
+from ._slot import Memo, is_memo
 from ._storage import Spec, packed_size
+from ._table import allocate, conformed, mesh_of
 
 
 if TYPE_CHECKING:

@@ -47,7 +47,8 @@ from jax import lax
 
 from . import _jax_internals
 from ._fingerprint import array_fingerprint, is_concrete_array, known
-from ._slot import Memo, entry_leaves
+from ._slot import Memo
+from ._table import entry_leaves
 
 
 class _Valid(NamedTuple):

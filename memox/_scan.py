@@ -91,7 +91,8 @@ import numpy as np
 from jax import lax
 
 from . import _context, _errors, _jax_internals
-from ._slot import ENTRY_FIELDS, Memo, Path, replace_slots, slots
+from ._sites import Path, replace_slots, slots
+from ._slot import ENTRY_FIELDS, Memo
 from ._typing import Fn
 
 

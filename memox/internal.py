@@ -4,7 +4,8 @@ import warnings as _warnings
 
 from ._cached import cached_methods as cached_methods
 from ._fingerprint import fingerprint as fingerprint
-from ._slot import is_memo as is_memo, slot_sites as slot_sites
+from ._sites import slot_sites as slot_sites
+from ._slot import is_memo as is_memo
 from ._storage import Spec as Spec
 
 

@@ -15,7 +15,7 @@ from memox._fingerprint import (
     host_fingerprint,
     known,
 )
-from memox._slot import Spec, decode, encode, storage_struct
+from memox._storage import Spec, decode, encode, storage_struct
 
 
 DTYPES = [

@@ -1,0 +1,181 @@
+"""A module's slots changed without running a cached method: allocated (`memox.init`),
+invalidated (`memox.clear`, `memox.invalidate`, inside a call too) and emptied
+(`memox.strip`)."""
+
+from __future__ import annotations
+
+from typing import Any, Concatenate, overload
+
+import equinox as eqx
+import jax.tree_util as jtu
+
+from . import _context, _errors
+from ._cached import CachedMethod, MethodArg, method_for
+from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, run
+from ._sites import SlotSite, replace_slots, slot_sites, slots
+from ._slot import Memo, is_memo
+from ._table import allocate_like, emptied, invalidated, mesh_of
+from ._typing import Fn, M, P
+
+
+@overload
+def init(module: M, /) -> M: ...
+@overload
+def init(module: M, fn: Fn[Concatenate[M, P], Any], /, *args: P.args, **kwargs: P.kwargs) -> M: ...
+def init(module: M, fn: Fn[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
+    """Allocate `module`'s slots without computing anything.
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+    - `fn`, `*args`, `**kwargs` (optional): a function as for `memox.call`. The slots it
+      would fill when called with these arguments are allocated too (for cached methods
+      that take arguments). Shapes come from `jax.eval_shape`: no FLOPs are spent.
+
+    Every slot whose cached method takes no arguments is allocated. An allocated slot
+    keeps its structure whatever happens to it, so the module can be a `lax.scan` carry.
+
+    **Returns:**
+
+    `module` with its slots allocated and empty.
+
+    !!! Example
+
+        ```python
+        foo = memox.init(Foo(jnp.ones((3, 3))))
+        def body(foo, x):
+            b, foo = memox.call(foo, Foo.b)
+            return foo, b * x
+
+        foo, ys = jax.lax.scan(body, foo, jnp.arange(4.0))   # b computed once
+        ```
+    """
+    check_module("init", module)
+    module = allocate_plain_slots(module)
+    if fn is None:
+        return module
+    check_fn("init", fn)
+
+    def allocated(module, args, kwargs):
+        _, module, frame = run(module, fn, args, kwargs, discover=True)
+        return replace_slots(module, changed_slots(module, frame))
+
+    shapes = eqx.filter_eval_shape(allocated, module, args, kwargs)
+    before = slots(module)
+    mesh = mesh_of(jtu.tree_leaves((module, args, kwargs)))
+    new = {
+        site.path: allocate_like(site.slot, mesh)
+        for site in slot_sites(shapes)
+        if site.slot.allocated and not _same_storage(before[site.path], site.slot)
+    }
+    return replace_slots(module, new)
+
+
+def _same_storage(slot: Memo, shapes: Memo) -> bool:
+    return slot.allocated and (slot.value.shape, slot.value.dtype) == (
+        shapes.value.shape,
+        shapes.value.dtype,
+    )
+
+
+def clear(module: M) -> M:
+    """Invalidate every slot of `module`, keeping its allocation (no retrace follows).
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+
+    **Returns:**
+
+    `module` whose slots all miss at their next use. Hit and miss counts are kept.
+
+    !!! Example
+
+        ```python
+        foo = memox.clear(foo)
+        b, foo = memox.call(foo, Foo.b)   # recomputes
+        ```
+    """
+    check_module("clear", module)
+    return invalidate(module)
+
+
+def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
+    """Invalidate the slots of some cached methods, where a condition holds.
+
+    Unlike `memox.clear`, this takes a boolean array, so a traced loop can decide to
+    refresh a value: a simulator refactorises when Newton fails to converge with
+    `model = memox.invalidate(model, Stepper.lu, when=~converged)` inside its
+    `lax.scan` body. It keeps every allocation (no retrace).
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots.
+    - `*methods`: cached methods, unbound (`Stepper.lu`); their slots anywhere in
+      `module` are invalidated. None: every slot.
+    - `when`: a boolean (array or Python `bool`); nothing changes where it is false.
+
+    **Returns:**
+
+    `module` with those slots' entries invalid where `when` holds.
+
+    !!! Example
+
+        ```python
+        foo = memox.invalidate(foo, Foo.b, when=jnp.sum(foo.a) > 100.0)
+        ```
+    """
+    check_module("invalidate", module)
+    for method in methods:
+        if not isinstance(method, CachedMethod):
+            raise TypeError(_errors.NOT_CACHED.format(api="invalidate", got=repr(method)))
+    sites = [
+        site
+        for site in slot_sites(module)
+        if not methods or (site.field and method_for(site.owner, site.field) in methods)
+    ]
+    _invalidate_running(sites, when)
+    return replace_slots(module, {site.path: invalidated(site.slot, when) for site in sites})
+
+
+def _invalidate_running(sites: list[SlotSite], when: Any) -> None:
+    """Inside `fn`, invalidate the slots of the running call too: its frame holds their
+    current states, which a cached method reads whichever copy of the module it runs on
+    (an invalidation inside a transformation opened inside `fn` is refused there, as
+    any write of the frame is)."""
+    frame = _context.top()
+    if not isinstance(frame, _context.Frame):
+        return
+    for site in sites:
+        path = frame.find(site.owner, site.field) if site.field else None
+        if path is not None:
+            frame.write(path, invalidated(frame.store[path], when), "memox.invalidate")
+
+
+def strip(module: M) -> M:
+    """`module` with every slot empty: no cache arrays at all.
+
+    An empty slot holds no arrays (its fields are the integer marker `EMPTY`), so the
+    stripped module holds your parameters only: save it to checkpoint without caches,
+    with any checkpointer
+    (`ocp.StandardCheckpointer().save(path, memox.strip(model))`,
+    `eqx.tree_serialise_leaves(path, memox.strip(model))`), and restore it into
+    `memox.strip(like)` (slots refill on first use). It is a module as constructed.
+
+    **Arguments:**
+
+    - `module`: a pytree holding `memox.Memo` slots, typically an `eqx.Module`.
+
+    **Returns:**
+
+    `module` with every slot empty (as `memox.Memo()` constructs it); its other leaves
+    are `module`'s own.
+
+    !!! Example
+
+        ```python
+        foo = memox.strip(foo)   # foo.b() recomputes at its next memox.call
+        ```
+    """
+    check_module("strip", module)
+    return jtu.tree_map(lambda x: emptied(x) if is_memo(x) else x, module, is_leaf=is_memo)

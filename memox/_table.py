@@ -1,0 +1,260 @@
+"""Operations on a slot's table: allocation and placement, lookup, store with
+least-recently-used eviction, invalidation.
+
+A slot (`Memo`, `_slot.py`) holds `K` entries; these functions take a slot and return
+it changed, never its tree structure. The value table is written with the value's
+bits (`_storage.py`); how to decode them is the caller's (the method's plan).
+
+Allocated tables are placed where they will stay (`allocate`): on a mesh, as global
+arrays over the mesh of the module's arrays, the value table sharded like the value
+where its sharding is part of its type (`Explicit` axes), everything else replicated;
+so the first call changes no slot's type or placement (no retrace, no resharding of a
+donated buffer, the same `lax.scan` carry type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, PyTree
+
+from . import _errors
+from ._fingerprint import is_concrete_array
+from ._key import explicit_sharding
+from ._slot import ENTRY_FIELDS, FIELDS, Memo
+from ._storage import Spec, decode, encode, storage_struct
+
+
+KEY_WORDS = 2
+
+
+def allocate(slot: Memo, spec: Spec, snapshot_bytes: int | None, mesh: Mesh | None = None) -> Memo:
+    """`slot` with room for values of `spec`, every entry invalid. Costs no FLOPs.
+
+    With a `mesh` (that of the module's arrays, `mesh_of`), the tables are global arrays
+    over it, placed as they will stay: the value table sharded like the value where that
+    sharding is part of its type (`Explicit` axes), every other leaf replicated. No
+    snapshot table unless the policy keeps snapshots (`snapshot_bytes` is not None):
+    checkpointers refuse a zero-size array. Hit and miss counts carry over from
+    an allocated `slot`."""
+    traced = isinstance(slot.value, jax.Array) and not is_concrete_array(slot.value)
+    if traced and not slot.allocated:
+        raise TypeError(_errors.EMPTY_TRACED)
+    k = slot.size
+    shape, dtype = storage_struct(spec)
+    explicit = spec.types[0].sharding if not spec.packed and spec.types else None
+    # A buffer per leaf: `memox.jit` donates slot leaves, and a buffer is donated once.
+    return Memo(
+        value=_zeros((k, *shape), dtype, mesh, _table_spec(explicit, len(shape))),
+        valid=_zeros((k,), jnp.bool_, mesh),
+        key=_zeros((k, KEY_WORDS), jnp.uint32, mesh),
+        age=_zeros((k,), jnp.int32, mesh),
+        used=_zeros((k,), jnp.int32, mesh),
+        snapshot=None if snapshot_bytes is None else _zeros((k, snapshot_bytes), jnp.uint8, mesh),
+        hits=slot.hits if slot.allocated else _zeros((), jnp.int32, mesh),
+        misses=slot.misses if slot.allocated else _zeros((), jnp.int32, mesh),
+        size=k,
+    )
+
+
+def allocate_like(shapes: Memo, mesh: Mesh | None = None) -> Memo:
+    """A slot of zeros shaped like `shapes` (a slot of `jax.ShapeDtypeStruct`s, as from
+    `jax.eval_shape`), placed on `mesh` as `allocate` places it."""
+
+    def zeros(name: str, s: jax.ShapeDtypeStruct) -> Array:
+        explicit = explicit_sharding(s) if name == "value" else None  # (the table's)
+        return _zeros(s.shape, s.dtype, mesh, None if explicit is None else explicit.spec)
+
+    return dataclasses.replace(
+        shapes,
+        **{
+            f: zeros(f, x)
+            for f in FIELDS
+            if isinstance(x := getattr(shapes, f), jax.ShapeDtypeStruct)
+        },
+    )
+
+
+def mesh_of(arrays: Iterable[Any]) -> Mesh | None:
+    """The mesh that concrete `arrays` are laid out on (the first found with a
+    `NamedSharding`), or where none is concrete the mesh set by `jax.set_mesh`; None
+    where there is none (inside a trace, `conformed` gives a table its type)."""
+    concrete = False
+    for x in arrays:
+        if not is_concrete_array(x):
+            continue
+        concrete, sharding = True, x.sharding
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    if concrete:  # on one device: where `jnp.zeros` puts them
+        return None
+    try:
+        found = jax.sharding.get_mesh()
+    except ValueError:  # inside `jax.jit`
+        return None
+    return found if isinstance(found, Mesh) and not found.empty else None
+
+
+def _table_spec(value: NamedSharding | None, ndim: int) -> PartitionSpec:
+    """The spec of a table (entries along a replicated leading axis) whose entries have
+    `ndim` axes and are sharded like `value` (complex parts, keys: trailing axes)."""
+    if value is None:
+        return PartitionSpec()
+    return PartitionSpec(None, *value.spec, *(None,) * (ndim - len(value.spec)))
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Mesh | None, spec: Any = None) -> Array:
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec or PartitionSpec()))
+
+
+# The table operations are jitted: an eager `memox.call` then dispatches a few compiled
+# programs instead of dozens of primitives; inside a trace they are inlined.
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def entry(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
+    """The value stored in entry `index`."""
+    return decode(lax.dynamic_index_in_dim(slot.value, index, keepdims=False), spec)
+
+
+@jax.jit
+def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
+    """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
+    match = slot.valid & jnp.all(slot.key == key[None, :], axis=-1) & fresh
+    return jnp.any(match), jnp.argmax(match)
+
+
+def holding(slot: Memo, key: Array) -> Array:
+    """The index of the valid entry of `slot` that holds `key` (one is known to)."""
+    return lookup(slot, key, jnp.ones_like(slot.valid))[1]
+
+
+def _clock(slot: Memo) -> Array:
+    return slot.hits + slot.misses
+
+
+@jax.jit
+def touched(slot: Memo, index: Array) -> Memo:
+    """`slot` after a hit on entry `index`."""
+    return dataclasses.replace(
+        slot,
+        age=slot.age.at[index].add(1),
+        used=slot.used.at[index].set(_clock(slot)),
+        hits=slot.hits + 1,
+    )
+
+
+def passed_on(slot: Memo, index: Array) -> Memo:
+    """`slot` after a hit on entry `index` read without a check (a pinned slot of
+    `memox.scan`'s loop, a hit decided on the host): counters touched, entries passed on
+    as the very arrays that came in."""
+    after = touched(slot, index)  # (jitted: its outputs are new arrays)
+    return dataclasses.replace(after, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+
+
+def entry_leaves(slot: Memo) -> list[Array]:
+    """The arrays of an allocated slot's entries (`ENTRY_FIELDS` but an unused snapshot)."""
+    return [x for f in ENTRY_FIELDS if (x := getattr(slot, f)) is not None]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def stored(
+    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
+) -> tuple[Memo, Array]:
+    """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
+    over the entry holding `key` if any, else an empty or the least recently used one,
+    with the dependencies' `snapshot` where the slot keeps them; and that entry's index."""
+    same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
+    oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
+    index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
+    new = dataclasses.replace(
+        slot,
+        value=_put(slot.value, encode(value, spec), index),
+        valid=slot.valid.at[index].set(True),
+        key=slot.key.at[index].set(key),
+        age=slot.age.at[index].set(0),
+        used=slot.used.at[index].set(_clock(slot)),
+        snapshot=slot.snapshot
+        if snapshot is None or not eqx.is_array(slot.snapshot)  # no snapshot table
+        else _put(slot.snapshot, snapshot, index),
+        misses=slot.misses + 1,
+    )
+    return new, index
+
+
+def _explicit_mesh(x: Array) -> Any:
+    """The mesh of `x`'s sharding type if it has `Explicit` axes, else `None`."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return mesh
+
+
+def _put(table: Array, update: Array, index: Array) -> Array:
+    """`table` with entry `index` set to `update`. Where a mesh's axes are `Explicit`,
+    sharding is part of the type and both must agree: the update takes the table's
+    sharding, so that the table's type never changes (a `cond`'s branches, a loop's
+    carry); `conformed` gave the table the value's sharding beforehand. Elsewhere XLA
+    propagates shardings and nothing is resharded."""
+    if (mesh := _explicit_mesh(table)) is not None:
+        entry = NamedSharding(mesh, PartitionSpec(*jax.typeof(table).sharding.spec[1:]))
+        if jax.typeof(update).sharding != entry:
+            update = jax.sharding.reshard(update, entry)
+    elif _explicit_mesh(update) is not None:
+        update = jax.sharding.reshard(update, jax.typeof(table).sharding)
+    return lax.dynamic_update_index_in_dim(table, update, index, 0)
+
+
+def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
+    """`slot` whose table is sharded like values of `spec` (entries along a replicated
+    leading axis), where that sharding is part of the type (`Explicit` mesh axes): done
+    before the hit/miss branch, so that both branches return a table of one type. Its
+    other leaves are replicated over the same mesh (one set of devices per slot). Outside
+    a trace, the devices are those of the concrete `inputs` on that mesh."""
+    if spec.packed or not spec.types or spec.types[0].sharding is None:
+        return slot
+    sharding = spec.types[0].sharding
+    want = NamedSharding(sharding.mesh, _table_spec(sharding, slot.value.ndim - 1))
+    if jax.typeof(slot.value).sharding == want:
+        return slot
+    mesh = sharding.mesh
+    for x in inputs:  # eagerly: the concrete mesh the inputs live on
+        concrete = (
+            getattr(getattr(x, "sharding", None), "mesh", None) if is_concrete_array(x) else None
+        )
+        if concrete is not None and getattr(concrete, "abstract_mesh", None) == mesh:
+            mesh = concrete
+            break
+    want = NamedSharding(mesh, want.spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(name: str, x: Array) -> Array:
+        target = want if name == "value" else replicated
+        if is_concrete_array(x):
+            return jax.device_put(x, target)
+        return jax.sharding.reshard(x, target)
+
+    fields = [f for f in FIELDS if eqx.is_array(getattr(slot, f))]
+    return dataclasses.replace(slot, **{f: place(f, getattr(slot, f)) for f in fields})
+
+
+def invalidated(slot: Memo, when: Array | bool = True) -> Memo:
+    """`slot` with every entry invalid where `when` holds, its allocation kept."""
+    if not slot.allocated:
+        return slot
+    return dataclasses.replace(slot, valid=slot.valid & ~jnp.asarray(when, jnp.bool_))
+
+
+def emptied(slot: Memo) -> Memo:
+    """`slot` without arrays, as declared (its size kept)."""
+    return Memo(size=slot.size)
