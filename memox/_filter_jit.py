@@ -36,7 +36,7 @@ These arrays are known by identity, held weakly (`_handed_back`).
 Empty slots in the arguments are allocated before the first trace (as `memox.init`
 does), so that a step traces once even when the model was not initialised; the `Memo`
 nodes of an optimizer state made from `eqx.filter(model, ...)` (leaves `None`) mirror
-the model's slots and are left as they are (`_jit.allocated`).
+the model's slots and are left as they are (`_lifecycle.allocated`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ import jax.tree_util as jtu
 
 from . import _prehash
 from ._fingerprint import is_concrete_array
-from ._jit import allocated_once, copied
+from ._lifecycle import allocated_once
 from ._slot import EMPTY, Memo, is_memo
-from ._table import entry_leaves
+from ._table import copied, entry_leaves
 
 
 _P = ParamSpec("_P")

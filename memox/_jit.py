@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any, Concatenate, overload
 
@@ -59,12 +58,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _errors, _prehash
-from ._caches import Cache, register
-from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
+from ._caches import Cache
+from ._call import changed_slots, check_fn, check_module, run
 from ._fingerprint import is_concrete_array
-from ._sites import Path, _child, replace_slots, slots
-from ._slot import ENTRY_FIELDS, Memo, is_empty, is_memo
-from ._table import entry_leaves
+from ._lifecycle import ByIdentity, allocated
+from ._sites import Path, child, replace_slots, slots
+from ._slot import ENTRY_FIELDS, Memo, is_memo
+from ._table import copied, entry_leaves
 from ._typing import Fn, M, P, R
 
 
@@ -250,7 +250,7 @@ def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> A
     # A module passed again with its slots empty, as by a caller that does not thread
     # the returned module: the slots the last call on it returned, not a new allocation
     # (which also recomputes what they hold).
-    latest = _ByIdentity()
+    latest = ByIdentity()
     return wrapped
 
 
@@ -287,14 +287,6 @@ def _held_once(leaves: list, a: int, b: int) -> bool:
         if _references(leaves, j) != _HELD_ONCE:
             return False
     return True
-
-
-@jax.jit
-def copied(leaves: list[Any]) -> list[Any]:
-    """Copies of `leaves` in new buffers (one dispatch: `jax.device_put(...,
-    may_alias=False)` costs ~15x more on XLA:CPU for a slot's eight small arrays);
-    `None` stays `None`."""
-    return [None if x is None else jnp.copy(x) for x in leaves]
 
 
 def _concrete(leaves: list[Any]) -> bool:
@@ -364,92 +356,10 @@ def _refilled(n_arrays: int, hits: tuple, slot_leaves: list, kept: list) -> list
     return out
 
 
-class _ByIdentity:
-    """Modules by identity, held weakly: the one given last for each, while its slots
-    are usable (none donated since; a slot still empty, such as one keyed by arguments,
-    is as allocation would leave it)."""
-
-    def __init__(self, name: str | None = None) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-        if name is not None:  # a process-wide table (not a wrapper's own)
-            register(name, self._entries)
-
-    def get(self, key: Any) -> Any | None:
-        entry = self._entries.get(id(key))
-        if entry is None or entry[0]() is not key:
-            return None
-        value = entry[1]
-        for x in jtu.tree_leaves(value):
-            if is_concrete_array(x) and x.is_deleted():
-                return None
-        return value
-
-    def put(self, key: Any, value: Any) -> None:
-        try:
-            ref = weakref.ref(key, lambda _, k=id(key): self._entries.pop(k, None))
-        except TypeError:  # not weakly referenceable (a tuple): not kept
-            return
-        self._entries[id(key)] = (ref, value)
-
-
-class _Mirror:
-    """A `Memo` node that a filter emptied (`None` leaves), hidden from allocation."""
-
-    __slots__ = ("slot",)
-
-    def __init__(self, slot: Memo):
-        self.slot = slot
-
-
-def _is_mirror(x: Any) -> bool:
-    return isinstance(x, _Mirror)
-
-
-def allocated(tree: Any) -> Any:
-    """`tree` with its empty slots allocated, as `memox.init(tree)` would: for
-    `memox.jit` and `memox.filter_jit`, before their first trace.
-
-    Only declared-empty slots (their fields the `EMPTY` marker) are allocated. A `Memo`
-    node whose fields are `None` is a filter's image of a slot, not a slot: the mirror
-    of the model in an optimizer state made from `eqx.filter(model, ...)` (adam's
-    `mu` and `nu`), or half of an `eqx.partition`. Allocating it would change the
-    optimizer state's structure, and compute the method on a module of `None`s."""
-    if not any(map(is_empty, jtu.tree_leaves(tree, is_leaf=is_memo))):
-        return revive(tree)
-    hidden = jtu.tree_map(
-        lambda x: _Mirror(x) if is_memo(x) and x.value is None else x, tree, is_leaf=is_memo
-    )
-    filled = allocate_plain_slots(revive(hidden))
-    return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
-
-
-_allocated = _ByIdentity("allocated modules")
-
-
-def allocated_once(tree: Any) -> Any:
-    """`allocated(tree)`, the same allocation for the same object while its slots are
-    usable: for `memox.filter_jit`, whose compiled function returns the caller's own
-    trees, which it cannot map back to `tree`."""
-    found = _allocated.get(tree)
-    if found is None:
-        try:
-            found = allocated(tree)
-        except Exception:
-            # A method that cannot be planned on `tree` as given (half of an
-            # `eqx.partition`: its parameters are `None`): its slots are left to the
-            # trace, which allocates them at the first fill (one retrace, as under
-            # `eqx.filter_jit`); a real error in the method surfaces there.
-            return tree
-        if found is not tree:  # (an entry holding its own key would never go)
-            _allocated.put(tree, found)
-    return found
-
-
 _ARRAY = object()  # marks a leaf passed as an array
-try:  # `eqx.is_array`, inlined (called on every leaf at every call)
-    from equinox._filters import _ARRAY_TYPES
-except ImportError:  # pragma: no cover
-    _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+# What `eqx.is_array` accepts, inlined (called on every leaf at every call; pinned by
+# `test_jit.py` against `eqx.is_array`).
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 _MEMO_TYPES = Cache("memo types", 4096)  # type -> whether it is a `Memo`
 
 
@@ -501,7 +411,7 @@ class _Layout:
                 if isinstance(entry, jtu.GetAttrKey):  # a field (`eqx.Module`'s is slower)
                     node = object.__getattribute__(node, entry.name)
                 else:
-                    node = _child(node, entry)
+                    node = child(node, entry)
         except Exception:
             return None
         return node
@@ -619,7 +529,7 @@ class _Signature:
         seen: dict[int, int] = {}
         ready = True
         for k, (a, b) in enumerate(layout.ranges):
-            if a < 0 or not isinstance(leaves[a], _ARRAY_TYPES):  # empty, or filtered out
+            if a < 0 or not isinstance(leaves[a], ARRAY_TYPES):  # empty, or filtered out
                 ready = False
                 continue
             value = leaves[a]
@@ -637,7 +547,7 @@ class _Signature:
                 in_slot[a + j] = True
         arrays: list[Any] = []
         for i, x in enumerate(leaves):
-            if not in_slot[i] and isinstance(x, _ARRAY_TYPES):
+            if not in_slot[i] and isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
                 statics[i] = _ARRAY
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
@@ -684,7 +594,7 @@ class _Signature:
                     first.append(len(memos))
                 statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
                 memos.append(i)
-            elif isinstance(x, _ARRAY_TYPES):
+            elif isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
                 statics.append(_ARRAY)
             else:
@@ -704,7 +614,7 @@ class _Signature:
         arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
         statics = []
         for x in arg_leaves:
-            if isinstance(x, _ARRAY_TYPES):
+            if isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
                 statics.append(_ARRAY)
             else:

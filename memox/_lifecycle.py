@@ -1,9 +1,11 @@
-"""A module's slots changed without running a cached method: allocated (`memox.init`),
+"""A module's slots changed without running a cached method: allocated (`memox.init`,
+and `allocated`/`allocated_once` for the compiled wrappers before their first trace),
 invalidated (`memox.clear`, `memox.invalidate`, inside a call too) and emptied
 (`memox.strip`)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Concatenate, overload
 
 import equinox as eqx
@@ -11,9 +13,11 @@ import jax.tree_util as jtu
 
 from . import _context, _errors
 from ._cached import CachedMethod, MethodArg, method_for
-from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, run
+from ._caches import register
+from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
+from ._fingerprint import is_concrete_array
 from ._sites import SlotSite, replace_slots, slot_sites, slots
-from ._slot import Memo, is_memo
+from ._slot import Memo, is_empty, is_memo
 from ._table import allocate_like, emptied, invalidated, mesh_of
 from ._typing import Fn, M, P
 
@@ -179,3 +183,87 @@ def strip(module: M) -> M:
     """
     check_module("strip", module)
     return jtu.tree_map(lambda x: emptied(x) if is_memo(x) else x, module, is_leaf=is_memo)
+
+
+# -- allocation before a compiled wrapper's first trace ---------------------------------
+
+
+class ByIdentity:
+    """Modules by identity, held weakly: the one given last for each, while its slots
+    are usable (none donated since; a slot still empty, such as one keyed by arguments,
+    is as allocation would leave it)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+        if name is not None:  # a process-wide table (not a wrapper's own)
+            register(name, self._entries)
+
+    def get(self, key: Any) -> Any | None:
+        entry = self._entries.get(id(key))
+        if entry is None or entry[0]() is not key:
+            return None
+        value = entry[1]
+        for x in jtu.tree_leaves(value):
+            if is_concrete_array(x) and x.is_deleted():
+                return None
+        return value
+
+    def put(self, key: Any, value: Any) -> None:
+        try:
+            ref = weakref.ref(key, lambda _, k=id(key): self._entries.pop(k, None))
+        except TypeError:  # not weakly referenceable (a tuple): not kept
+            return
+        self._entries[id(key)] = (ref, value)
+
+
+class _Mirror:
+    """A `Memo` node that a filter emptied (`None` leaves), hidden from allocation."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: Memo):
+        self.slot = slot
+
+
+def _is_mirror(x: Any) -> bool:
+    return isinstance(x, _Mirror)
+
+
+def allocated(tree: Any) -> Any:
+    """`tree` with its empty slots allocated, as `memox.init(tree)` would: for
+    `memox.jit` and `memox.filter_jit`, before their first trace.
+
+    Only declared-empty slots (their fields the `EMPTY` marker) are allocated. A `Memo`
+    node whose fields are `None` is a filter's image of a slot, not a slot: the mirror
+    of the model in an optimizer state made from `eqx.filter(model, ...)` (adam's
+    `mu` and `nu`), or half of an `eqx.partition`. Allocating it would change the
+    optimizer state's structure, and compute the method on a module of `None`s."""
+    if not any(map(is_empty, jtu.tree_leaves(tree, is_leaf=is_memo))):
+        return revive(tree)
+    hidden = jtu.tree_map(
+        lambda x: _Mirror(x) if is_memo(x) and x.value is None else x, tree, is_leaf=is_memo
+    )
+    filled = allocate_plain_slots(revive(hidden))
+    return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
+
+
+_allocated = ByIdentity("allocated modules")
+
+
+def allocated_once(tree: Any) -> Any:
+    """`allocated(tree)`, the same allocation for the same object while its slots are
+    usable: for `memox.filter_jit`, whose compiled function returns the caller's own
+    trees, which it cannot map back to `tree`."""
+    found = _allocated.get(tree)
+    if found is None:
+        try:
+            found = allocated(tree)
+        except Exception:
+            # A method that cannot be planned on `tree` as given (half of an
+            # `eqx.partition`: its parameters are `None`): its slots are left to the
+            # trace, which allocates them at the first fill (one retrace, as under
+            # `eqx.filter_jit`); a real error in the method surfaces there.
+            return tree
+        if found is not tree:  # (an entry holding its own key would never go)
+            _allocated.put(tree, found)
+    return found

@@ -19,7 +19,7 @@ from ._slot import Memo, is_memo
 Path = tuple[Any, ...]
 
 
-def _child(node: Any, entry: Any) -> Any:
+def child(node: Any, entry: Any) -> Any:
     if isinstance(entry, jtu.GetAttrKey):
         return getattr(node, entry.name)
     if isinstance(entry, jtu.SequenceKey):
@@ -54,7 +54,7 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
             continue
         owner = tree
         for entry in path[:-1]:
-            owner = _child(owner, entry)
+            owner = child(owner, entry)
         last = path[-1] if path else None
         # (JAX types `GetAttrKey` as `Any`, so `isinstance` does not rule out `None`.)
         field = last.name if isinstance(last, jtu.GetAttrKey) else None  # pyright: ignore[reportOptionalMemberAccess]

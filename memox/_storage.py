@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,10 @@ from jaxtyping import Array, PyTree
 from . import _jax_internals
 from ._errors import NO_BITS
 from ._key import explicit_sharding
+
+
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +98,7 @@ class LeafType:
 
     @classmethod
     def of(cls, x: Any) -> LeafType:
-        aval = (
-            x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.AbstractValue)) else jax.typeof(x)
-        )
+        aval = x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)) else jax.typeof(x)
         key_impl = None
         if _jax_internals.is_key(aval.dtype):
             key_impl = _jax_internals.key_impl_name(aval.dtype)

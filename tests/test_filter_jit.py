@@ -306,12 +306,12 @@ def test_a_module_not_threaded_is_allocated_once(monkeypatch):
     # `memox.filter_jit` allocates its slots once (then misses, as `eqx.filter_jit`
     # would); `memox.jit` reuses the slots its last call on that module returned (hits).
     # (Regression: memox.jit allocated at every such call, 41x a threaded call.)
-    import memox._jit as memox_jit
+    import memox._lifecycle as lifecycle
 
     allocations = []
-    allocate = memox_jit.allocate_plain_slots
+    allocate = lifecycle.allocate_plain_slots
     monkeypatch.setattr(
-        memox_jit, "allocate_plain_slots", lambda t: allocations.append(1) or allocate(t)
+        lifecycle, "allocate_plain_slots", lambda t: allocations.append(1) or allocate(t)
     )
     c, traces = Counter(), []
 

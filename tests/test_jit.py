@@ -524,3 +524,24 @@ def test_the_decorated_function_keeps_its_name():
         return m.one()
 
     assert (step.__name__, step.__doc__) == ("step", "Doc.")
+
+
+def test_the_inlined_array_test_is_equinoxs():
+    # `_jit.ARRAY_TYPES` inlines `eqx.is_array` (no private Equinox import): it must
+    # agree with it on every kind of leaf a module holds.
+    from memox._jit import ARRAY_TYPES
+
+    leaves = [
+        jnp.ones(2),
+        np.ones(2),
+        np.float32(1.0),
+        jax.random.key(0),
+        1.0,
+        3,
+        True,
+        None,
+        "s",
+        jnp.sin,
+        memox.Memo(),
+    ]
+    assert [isinstance(x, ARRAY_TYPES) for x in leaves] == list(map(eqx.is_array, leaves))
