@@ -34,7 +34,7 @@ later donates such an array, it donates a copy of it instead (the copy
 These arrays are known by identity, held weakly (`_handed_back`).
 
 Empty slots in the arguments are allocated before the first trace (as `memox.init`
-does), so that a step traces once even when the model was not initialised; the `Memo`
+does), so that a step does not retrace even when the model was not initialised; the `Memo`
 nodes of an optimizer state made from `eqx.filter(model, ...)` (leaves `None`) mirror
 the model's slots and are left as they are (`_lifecycle.allocated`).
 """
@@ -105,7 +105,7 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
       `"warn-except-first"` or `"none"` (the default).
 
     Empty slots in the arguments are allocated before the first trace (as
-    `memox.init(module)` does), so the step traces once without `memox.init`.
+    `memox.init(module)` does), so the step does not retrace without `memox.init`.
 
     **Returns:**
 
@@ -115,7 +115,7 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     the empty slots for methods without arguments in the arguments are allocated (an
     optimizer state's mirrors of them, from `opt.init(eqx.filter(model, ...))`, are
     left alone), so the ordinary loop `model, opt_state = step(model, opt_state)` with
-    `memox.call` inside the loss traces once on a model never initialised. A slot of a
+    `memox.call` inside the loss does not retrace on a model never initialised. A slot of a
     cached method that takes arguments (a keyed table) is allocated at its first fill:
     one retrace, unless `memox.init(model, fn, *args)` ran first. (With `eqx.filter_jit`
     in its place, call `memox.init(model)` first: it retraces once at the first fill

@@ -122,11 +122,11 @@ def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> A
 
     **When to call `memox.init`:** not for `memox.jit`. Before the first trace, the
     module's empty slots for methods without arguments are allocated, so a loop
-    `out, model = step(model, x)` traces once. A slot of a cached method that takes
-    arguments (a keyed table) is allocated at its first fill, which changes its leaves
-    from markers to arrays: one retrace, unless `memox.init(module, fn, *args)` ran
-    first. (Elsewhere, under `jax.jit`, `eqx.filter_jit` or as a `lax.scan` carry, a
-    module needs `memox.init` first.)
+    `out, model = step(model, x)` does not retrace (the hit program above aside). A
+    slot of a cached method that takes arguments (a keyed table) is allocated at its
+    first fill, which changes its leaves from markers to arrays: one retrace, unless
+    `memox.init(module, fn, *args)` ran first. (Elsewhere, under `jax.jit`,
+    `eqx.filter_jit` or as a `lax.scan` carry, a module needs `memox.init` first.)
 
     **Returns:**
 
@@ -138,7 +138,7 @@ def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> A
 
         ```python
         use_b = memox.jit(lambda f: f.b())
-        b, foo = use_b(foo)   # compiled once; a hit when `foo.a` has not changed
+        b, foo = use_b(foo)   # a hit when `foo.a` has not changed
 
         @memox.jit(donate=False)   # the slots passed in keep their buffers
         def scaled_b(f, x):

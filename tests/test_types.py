@@ -45,6 +45,7 @@ REVEALED = {
     "reveal_type(step)": "(Model, b: Array) -> tuple[Array, Model]",
     "reveal_type(step(model, b))": "tuple[Array, Model]",
     "reveal_type(memox.jit(Model.kernel)(model, b))": "tuple[Array, Model]",
+    "reveal_type(memox.jit(donate=False)(Model.kernel)(model, b))": "tuple[Array, Model]",
     # The module in, the module out.
     "reveal_type(view)": "Model",
     "reveal_type(memox.init(model))": "Model",

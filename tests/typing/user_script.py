@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     reveal_type(step)
     reveal_type(step(model, b))
     reveal_type(memox.jit(Model.kernel)(model, b))
+    reveal_type(memox.jit(donate=False)(Model.kernel)(model, b))
     use_chol = memox.jit(lambda m: m.chol())  # a lambda: its parameter is `Any`, no error
     reveal_type(memox.call(model, solve, b))
 
