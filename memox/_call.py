@@ -19,7 +19,7 @@ from ._cached import method_for
 from ._context import separated
 from ._fingerprint import is_concrete_array
 from ._plan import plan_without_arguments
-from ._sites import Path, path_name, replace_slots, slot_sites, slots
+from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites
 from ._slot import Memo, is_memo
 from ._table import allocate, mesh_of
 from ._typing import Fn, M, P, R
@@ -48,8 +48,13 @@ def check_module(api: str, module: Any) -> None:
 
 def allocate_plain_slots(module: M) -> M:
     """`module` with every empty slot whose method takes no arguments allocated."""
+    return _allocated_plain(module, list(slot_sites(module)))[0]
+
+
+def _allocated_plain(module: M, sites: list[SlotSite]) -> tuple[M, list[SlotSite]]:
+    """`allocate_plain_slots`, given `module`'s slot sites; with the result's sites."""
     new = {}
-    for site in slot_sites(module):
+    for site in sites:
         if site.slot.allocated or site.field is None:
             continue
         method = method_for(site.owner, site.field)
@@ -58,7 +63,16 @@ def allocate_plain_slots(module: M) -> M:
             snapshot_bytes = found.snapshot_bytes(method.policy)
             mesh = mesh_of(jtu.tree_leaves(site.owner))
             new[site.path] = allocate(site.slot, found.spec, snapshot_bytes, mesh)
-    return replace_slots(module, new)
+    return _replaced(module, sites, new)
+
+
+def _replaced(module: M, sites: list[SlotSite], new: dict[Path, Memo]) -> tuple[M, list[SlotSite]]:
+    """`module` with the slots at the paths in `new` replaced, and its slot sites (walked
+    again only where something was replaced)."""
+    if not new:
+        return module, sites
+    module = replace_slots(module, new)
+    return module, list(slot_sites(module))
 
 
 def call(
@@ -106,9 +120,11 @@ def run(
     (slots revived, allocated and separated) and the frame. The call's ledger is
     settled when `fn` returns (`_ledger.py`): what did not reach the caller is reported.
     With `discover`, cached methods only allocate their slots (for `memox.init`)."""
+    # One walk of the module; each step below walks it again only if it changed it.
+    sites = list(slot_sites(module))
     if not discover:
-        warn_if_closed_over(module)
-    module, sites = separated(allocate_plain_slots(revive(module)))
+        warn_if_closed_over(module, sites)
+    module, sites = separated(*_allocated_plain(*_revived(module, sites)))
     frame = _context.Frame(module, discover=discover, sites=sites)
     with _context.active(frame), _ledger.opened(frame.trace) as ledger:
         result = fn(module, *args, **kwargs)
@@ -117,13 +133,13 @@ def run(
     return result, module, frame
 
 
-def warn_if_closed_over(module: Any) -> None:
+def warn_if_closed_over(module: Any, sites: list[SlotSite]) -> None:
     """Warn if what this call stores cannot reach the caller: `module`'s slots come from
     outside the loop body being traced (judged by the allocated slots' arrays, or by all
     of the module's arrays if none is allocated), or the module has slots still to
     allocate and comes from outside the function being traced (`jax.jit`, a library
-    tracing a vector field), which then does not take it as an argument."""
-    sites = list(slot_sites(module))
+    tracing a vector field), which then does not take it as an argument. `sites`:
+    `module`'s slot sites."""
     if not sites:
         return
     allocated = [site.slot for site in sites if site.slot.allocated]
@@ -141,9 +157,9 @@ def warn_if_closed_over(module: Any) -> None:
 
 
 def changed_slots(module: Any, frame: _context.Frame) -> dict[Path, Memo]:
-    """The slots of `frame` that differ from those of `module`, by path."""
-    before = slots(module)
-    return {p: s for p, s in frame.store.items() if before.get(p) is not s}
+    """The slots of `frame` that differ from those of `module`, the tree `frame` was
+    opened over (what `run` returns), by path."""
+    return {p: s for p, s in frame.store.items() if frame.given.get(p) is not s}
 
 
 def revive(module: M) -> M:
@@ -152,8 +168,13 @@ def revive(module: M) -> M:
     (`donate=` of `eqx.filter_jit` or `memox.filter_jit`, `jax.jit`'s `donate_argnums`):
     `memox.jit` donates a slot only where nothing else holds its arrays, and gives the
     module passed in the slot it returns (`_jit.py`)."""
+    return _revived(module, list(slot_sites(module)))[0]
+
+
+def _revived(module: M, sites: list[SlotSite]) -> tuple[M, list[SlotSite]]:
+    """`revive`, given `module`'s slot sites; with the result's sites."""
     new = {}
-    for site in slot_sites(module):
+    for site in sites:
         leaves = jtu.tree_leaves(site.slot)
         if any(is_concrete_array(x) and x.is_deleted() for x in leaves):
             new[site.path] = jtu.tree_map(
@@ -161,6 +182,6 @@ def revive(module: M) -> M:
             )
     if new:
         warnings.warn(
-            _errors.DELETED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=3
+            _errors.DELETED_SLOTS.format(slots=", ".join(map(path_name, new))), stacklevel=4
         )
-    return replace_slots(module, new)
+    return _replaced(module, sites, new)

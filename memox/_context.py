@@ -77,6 +77,8 @@ class Frame:
             if site.field is not None:
                 self._by_owner[id(site.owner)] = path[:-1]
                 self._alive.append(site.owner)
+        # The slots the frame was opened with, by path (what a call then changed).
+        self.given = dict(self.store)
 
     def _index_slot(self, path: Path, slot: Memo) -> None:
         if slot.allocated:
@@ -118,14 +120,15 @@ class Frame:
         return array_fingerprint(x) if pre is None else pre
 
 
-def separated(tree: Any) -> tuple[Any, list[SlotSite]]:
+def separated(tree: Any, sites: list[SlotSite] | None = None) -> tuple[Any, list[SlotSite]]:
     """`tree` where no two paths share a slot's arrays or an owning module object, and
     its slot sites. Two paths share them when a module was built from another one
     (`eqx.tree_at(lambda m: m.w, template, w)` keeps the template's slot) or one module
     object sits at two paths; each such path after the first gets its own copy of the
     slot's `key` array (what lookup goes by; a few words), and rebuilding the tree gives
-    every path its own owner object. Otherwise `tree` itself."""
-    sites = list(slot_sites(tree))
+    every path its own owner object. Otherwise `tree` itself. `sites`: `tree`'s slot
+    sites, where known."""
+    sites = list(slot_sites(tree)) if sites is None else sites
     seen_keys: set[int] = set()
     seen_owners: set[int] = set()
     copies: dict[Path, Memo] = {}
