@@ -158,9 +158,7 @@ class Bits:
         b = jax.dtypes.itemsize_bits(dtype)
         if b >= 8:
             return Bits(dtype, np.dtype(getattr(jnp, f"uint{b}")), dtype, False)
-        for via in _WIDER[
-            jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.signedinteger)
-        ]:
+        for via in _wider(dtype):
             # Checked on every bit pattern: exact, and injective.
             values = np.arange(2**b, dtype=np.uint8).view(dtype).astype(via)
             bits = values.view(f"uint{8 * via.itemsize}")
@@ -182,15 +180,13 @@ class Bits:
         return x.view(self.unsigned)
 
 
-# The types a sub-byte element is converted to by value, narrowest first, by (floating,
-# signed): integers to the 8-bit integer of their signedness, floats to `float16` (or
-# `float32`, for a format `float16` does not hold).
-_WIDER = {
-    (True, False): (np.dtype(np.float16), np.dtype(np.float32)),
-    (True, True): (np.dtype(np.float16), np.dtype(np.float32)),
-    (False, True): (np.dtype(np.int8),),
-    (False, False): (np.dtype(np.uint8),),
-}
+def _wider(dtype: np.dtype) -> tuple[np.dtype, ...]:
+    """The types a sub-byte element may be converted to by value, narrowest first:
+    integers to the 8-bit integer of their signedness, floats to `float16` (or `float32`,
+    for a format `float16` does not hold)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.dtype(np.float16), np.dtype(np.float32)
+    return (np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8),)
 
 
 def _float_view(dtype: np.dtype) -> np.dtype:
