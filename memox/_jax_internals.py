@@ -48,6 +48,13 @@ def current() -> Any:
     return _core.trace_ctx.trace
 
 
+def transforming() -> bool:
+    """Whether a transformation (`jit`, `grad`, `vmap`, a loop, ...) is tracing right
+    now; `False` only where operations run eagerly, on concrete arrays, with no named axis
+    bound: there no operand can carry a tangent."""
+    return not _core.trace_ctx.is_top_level()
+
+
 def _lineage(trace: Any) -> Iterator[Any]:
     while trace is not None:
         yield trace

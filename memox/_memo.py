@@ -21,6 +21,8 @@ For a planned call (`_plan.py`), `Memoised` runs one operation, built once per p
    its tangent is a symbolic zero: a hit recomputes nothing, even under `jax.grad`.
    Otherwise the tangent is `jax.jvp` of the method itself, so gradients are exactly
    those of the unmemoized computation; the value is recomputed there and stored.
+   Eagerly (no transformation tracing) nothing carries a tangent: the primal runs
+   without the `custom_jvp`.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ class Memoised:
         key = combine([frame.fingerprint(x) for x in keyed], self.plan.salt)
         operands = (nested, deps, others, call.arg_arrays, slot, sub, key)
         if markers is None:
-            value, new_slot, new_sub = self.op(*operands)
+            # Eagerly nothing can be differentiated: the primal runs without the
+            # `custom_jvp` (its trace of every array passed was half of an eager hit).
+            op = self.op if _jax_internals.transforming() else self.primal
+            value, new_slot, new_sub = op(*operands)
             if claim is not None:  # the host decides the next call (`_prehash.Scope.held`)
                 claim.left(new_slot, holding(new_slot, key))
         else:  # the enclosing call checks that this store reaches its outputs

@@ -36,6 +36,23 @@ def test_current_trace_and_lineage():
     }
 
 
+def test_transforming_only_under_a_transformation():
+    seen = []
+
+    def probe(x):
+        seen.append(internals.transforming())
+        return x
+
+    probe(1.0)
+    jax.jit(probe)(1.0)
+    jax.grad(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.lax.scan(lambda c, _: (probe(c), None), 0.0, length=1)
+    with jax.ensure_compile_time_eval():
+        probe(1.0)
+    assert seen == [False, True, True, True, True, False]
+
+
 def test_visible_through_nested_transformations():
     results = {}
 
