@@ -23,11 +23,11 @@ import equinox as eqx
 
 from . import _context, _errors, _ledger, _prehash
 from ._hoist import Hoisted
-from ._key import token
 from ._memo import memoised
 from ._plan import Call, Method, latest
 from ._policy import Exact, Policy
 from ._slot import Memo, annotations_of, is_memo_annotation
+from ._token import token
 from ._typing import P, R
 
 

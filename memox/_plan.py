@@ -22,12 +22,13 @@ import jax.tree_util as jtu
 from . import _context, _errors, _jax_internals
 from ._caches import Cache
 from ._jax_internals import trace_context
-from ._key import StaticKey, explicit_sharding, node_token, signature, static_key, token
+from ._key import StaticKey, explicit_sharding, signature, static_key
 from ._policy import Policy
 from ._sites import Path, path_name
 from ._slot import Memo, is_memo
 from ._storage import Spec, packed_size
 from ._table import allocate, conformed, mesh_of
+from ._token import node_token, token
 
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 class Method:
     """What planning needs of a cached method (`CachedMethod.method` makes it): its
     function, slot name, policy and qualified name, and the token the static key
-    takes of it (`_key.token` of the cached method: its importable name where it has
+    takes of it (`_token.token` of the cached method: its importable name where it has
     one). Planning never sees the cached method itself."""
 
     fn: Any
@@ -53,7 +54,7 @@ class Parts:
     """The skeleton of a module or argument pytree: its structure and its non-array
     leaves. It holds no array (arrays may be tracers, and a skeleton outlives the trace
     in the closures of the memoised operation): `split` hands the arrays out separately.
-    `tokens` are the exact tokens (`_key.py`) of its nodes' data and of its non-array
+    `tokens` are the exact tokens (`_token.py`) of its nodes' data and of its non-array
     leaves, made in the same walk."""
 
     treedef: Any

@@ -1,5 +1,5 @@
-"""Shared test models, counters of real executions (not traces), and readers of slot
-statistics and jaxprs."""
+"""Shared test models, counters of real executions (not traces), readers of slot
+statistics and jaxprs, and the placements a cached call is tested in."""
 
 import contextlib
 import threading
@@ -7,6 +7,7 @@ import threading
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import memox
 from memox import Memo
@@ -179,3 +180,25 @@ def run_threads(target, n=2):
     assert not any(t.is_alive() for t in threads)
     if errors:
         raise errors[0]
+
+
+PLACEMENTS = ["eager", "memox.jit", "jax.jit"]
+
+
+def call_in(placement, module, method):
+    """`memox.call(module, method)` in one of `PLACEMENTS` (compiled afresh: a
+    configuration change must reach memox's key, not just jax.jit's)."""
+    if placement == "eager":
+        return memox.call(module, method)
+    if placement == "memox.jit":
+        return memox.jit(method)(module)
+    return jax.jit(lambda m: memox.call(m, method))(memox.init(module))
+
+
+def assert_same(value, expected):
+    """Equal bits and equal types (dtype, weak type, shape)."""
+    for x, y in zip(jax.tree.leaves(value), jax.tree.leaves(expected)):
+        assert jax.typeof(x) == jax.typeof(y), (jax.typeof(x), jax.typeof(y))
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

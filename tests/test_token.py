@@ -1,0 +1,306 @@
+"""Tokens of non-array parts (memox/_token.py): exact, canonical where provable. One
+test per class of non-array part that once returned another part's value (issue 18,
+item 2), each comparing with the unmemoized method in every placement and counting real
+executions; and one answer in every process: functions and classes defined in a
+function by their code (issue 19)."""
+
+import dataclasses
+import operator
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import PLACEMENTS, Counter, assert_same, call_in
+
+import memox
+from memox import Memo, _key, _token
+
+
+# -- non-array parts: exact tokens -----------------------------------------------------
+
+
+class Applied(eqx.Module):
+    x: jax.Array
+    how: object = eqx.field(static=True)
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        self.counter.tick()
+        how = self.how
+        if isinstance(how, Cfg):
+            return jnp.broadcast_to(jnp.asarray(how.flag), self.x.shape)
+        if isinstance(how, np.random.Generator):
+            seed = how.bit_generator.state["state"]["state"] % 1000  # (not advanced)
+            return self.x + jnp.float32(seed)
+        if isinstance(how, jax.Device):
+            return jax.device_put(self.x, how)
+        if isinstance(how, tuple):
+            return jnp.broadcast_to(jnp.asarray(how[0]), self.x.shape)
+        if isinstance(how, float):
+            return self.x * 0 + 1.0 / jnp.float32(how)
+        return how(self.x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    flag: object
+
+
+def _nan(payload):
+    return float(np.array(0x7FF8000000000000 | payload, np.uint64).view(np.float64))
+
+
+CASES = [
+    (operator.itemgetter(0), operator.itemgetter(1)),
+    (operator.attrgetter("real"), operator.attrgetter("imag")),
+    (operator.methodcaller("sum"), operator.methodcaller("prod")),
+    (np.random.default_rng(0), np.random.default_rng(1)),
+    ((1,), (True,)),
+    (Cfg(1), Cfg(True)),
+    (0.0, -0.0),
+]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("first, second", CASES)
+def test_distinct_static_parts_never_share_a_value(placement, first, second):
+    # Regression: C callables and Generators were guessed "stateless"; the fast path
+    # compared by `==` (`0.0 == -0.0`, `(1,) == (True,)`, `Cfg(1) == Cfg(True)`).
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), first, counter)
+    _, module = call_in(placement, module, Applied.out)
+    other = Applied(module.x, second, counter, cache=module.cache)
+    with counter.paused():
+        expected = Applied.out.fn(other)
+    value, other = call_in(placement, other, Applied.out)
+    assert_same(value, expected)
+    assert counter.n == 2
+
+
+def test_nan_payloads_are_distinct():
+    assert _token.token(_nan(1)) != _token.token(_nan(2))
+    assert _token.token(_nan(1)) == _token.token(_nan(1))
+
+
+def test_two_devices_get_two_keys():
+    # (A second CPU device needs XLA_FLAGS before JAX starts: compared by identity.)
+    device = jax.devices()[0]
+    assert _token.token(device) == _token.token(device)
+    assert _token.token(np.random.default_rng(0)) != _token.token(np.random.default_rng(0))
+
+
+def test_equal_parts_of_distinct_objects_hit():
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), Cfg(2), counter)
+    _, module = memox.call(module, Applied.out)
+    again = Applied(module.x, Cfg(2), counter, cache=module.cache)
+    _, again = memox.call(again, Applied.out)
+    assert counter.n == 1
+
+
+def test_the_fast_path_is_as_exact_as_the_key():
+    # The per-call lookup compares tree structures by `==`; the tokens of their nodes'
+    # data make it exact: equal fast keys, equal static keys.
+    one = jax.tree.structure(Applied(jnp.zeros(1), (1,), None))
+    true = jax.tree.structure(Applied(jnp.zeros(1), (True,), None))
+    assert one == true  # JAX's own comparison cannot tell them apart
+    assert _token.token(one) != _token.token(true)
+    assert _token.node_token(Applied(jnp.zeros(1), (1,), None)) != _token.node_token(
+        Applied(jnp.zeros(1), (True,), None)
+    )
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        (1, "a", None, True, 2.5, b"x"),
+        {"b": 1, "a": (2, 3)},
+        frozenset({"x", "y", "z"}),
+        Cfg((1, 2.0)),
+        np.arange(3),
+        jax.numpy.sum,
+    ],
+)
+def test_canonical_parts_have_the_same_bytes_in_every_process(part):
+    import subprocess
+    import sys
+
+    script = (
+        "import pickle, sys, jax, jax.numpy as jnp, numpy as np; from memox import _key, _token; "
+        "sys.path.insert(0, 'tests'); import test_token; "
+        "part = pickle.loads(bytes.fromhex(sys.argv[1])); "
+        "k = _key.static_key(_token.token(part)); print(k.local, k.encoded.hex())"
+    )
+    import pickle
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, pickle.dumps(part).hex()],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123", "JAX_PLATFORMS": "cpu"},
+    ).stdout.split()
+    here = _key.static_key(_token.token(part))
+    assert out == ["False", here.encoded.hex()] and not here.local
+
+
+# -- one answer in every process: functions and local classes by their code ------------
+
+
+def _scaled(a):
+    def scale(x):
+        return x * a
+
+    return scale
+
+
+def _local_module():
+    class Inner(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return super().__getattribute__("w") * x
+
+    return Inner(jnp.ones(3))
+
+
+def _local_config():
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        depth: int
+        act: object
+
+    return Config(2, lambda x: x - 1)
+
+
+MODELS = {
+    "lambda": lambda: Applied(jnp.zeros(3), lambda x: x + 1, None),
+    "closure": lambda: Applied(jnp.zeros(3), _scaled(2.0), None),
+    "local module": lambda: Applied(_local_module(), jnp.tanh, None),
+    "local dataclass": lambda: Applied(jnp.zeros(3), _local_config(), None),
+    "dataclass of a lambda": lambda: Applied(jnp.zeros(3), Cfg(lambda x: x), None),
+}
+
+
+def _model_key(name):
+    from memox import _plan
+
+    module, arrays = _plan.Parts.split(MODELS[name]())
+    args, arg_arrays = _plan.Parts.split(((), {}))
+    return _plan._static_key(Applied.out.spec, module, arrays, args, arg_arrays)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_functions_and_local_classes_have_the_same_key_in_every_process(name):
+    # Regression (issue 19 item 2): a lambda, a closure or a class defined in a function
+    # was keyed by identity and salted with a per-process nonce, so the processes of one
+    # program held different key bits (one hit where another missed).
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); import test_token; "
+        "k = test_token._model_key(sys.argv[1]); print(k.local, k.encoded.hex())"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", script, name],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"},
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    # (Not compared with this process's key: conftest.py's configuration is in the
+    # trace context.)
+    assert outs[0] == outs[1] and outs[0][0] == "False"
+    assert not _model_key(name).local
+
+
+def test_functions_are_equal_by_code_defaults_and_closure_contents():
+    same = [lambda x: x + 1, lambda x: x + 1]
+    assert _token.token(same[0]) == _token.token(same[1])
+    assert _token.token(lambda x: x + 1) != _token.token(lambda x: x + 2)
+    assert _token.token(lambda x: x + 1) != _token.token(lambda y: y + 1)  # (names too)
+    assert _token.token(lambda x, a=1: x + a) != _token.token(lambda x, a=True: x + a)
+    assert _token.token(_scaled(2.0)) == _token.token(_scaled(2.0))
+    for a, b in [(2.0, 3.0), (0.0, -0.0), (1, True), ((1,), [1])]:
+        assert _token.token(_scaled(a)) != _token.token(_scaled(b))
+    assert _token.token(_local_config()) == _token.token(_local_config())
+
+
+def _recursive():
+    def countdown(n):
+        return n if n <= 0 else countdown(n - 1)
+
+    return countdown
+
+
+def test_a_cycle_is_encoded_not_numbered():
+    assert _token.token(_recursive()) == _token.token(_recursive())
+    assert not _key.static_key(_token.token(_recursive())).local
+    assert not _key.static_key(_token.token(type(_local_module()))).local
+
+
+def test_a_closure_over_an_array_is_taken_by_identity():
+    w = jnp.ones(3)
+    first, second = (lambda x: x * w), (lambda x: x * w)
+    assert _token.token(first) == _token.token(first) != _token.token(second)
+    assert _key.static_key(_token.token(first)).local
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_an_equal_function_hits_and_a_different_one_recomputes(placement):
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), _scaled(2.0), counter)
+    _, module = call_in(placement, module, Applied.out)
+    again = Applied(module.x, _scaled(2.0), counter, cache=module.cache)
+    _, again = call_in(placement, again, Applied.out)
+    assert counter.n == 1
+    other = Applied(module.x, _scaled(-2.0), counter, cache=again.cache)
+    value, _ = call_in(placement, other, Applied.out)
+    assert_same(value, -2.0 * module.x)
+    assert counter.n == 2
+
+
+def _closing_over_an_array():
+    w = jnp.ones(3)
+    return lambda x: x * w
+
+
+@pytest.mark.parametrize(
+    "part, named",
+    [
+        (np.random.default_rng(0), r"`numpy.random._generator.Generator` object"),
+        (_closing_over_an_array(), r"closure variable `w` of `_closing_over_an_array.<locals>"),
+    ],
+)
+def test_several_processes_refuse_a_part_without_a_canonical_token(monkeypatch, part, named):
+    from memox import _jax_internals
+
+    monkeypatch.setattr(_jax_internals, "process_count", lambda: 2)
+    module = Applied(jnp.arange(3.0), part, None)
+    with pytest.raises(ValueError, match=r"memox runs in 2 processes") as error:
+        memox.call(module, Applied.out)
+    assert re.search(named, str(error.value))
+    assert "Define it at module level" in str(error.value)
+    # Canonical parts pass.
+    value, _ = memox.call(Mapped(jnp.arange(3.0), _scaled(2.0)), Mapped.out)
+    assert_same(value, 2.0 * jnp.arange(3.0))
+
+
+class Mapped(eqx.Module):
+    x: jax.Array
+    how: object = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        return self.how(self.x)
