@@ -42,7 +42,7 @@ GOALS = {
         1.2,
         "host-side work before each dispatch grows with the leaves: the wrapper flattens "
         "the module, compares the static signature and reads each slot's reference counts "
-        "(`_Signature.split` is memox's largest item under cProfile)",
+        "(`_partition.Signature.split` is memox's largest item under cProfile)",
     ),
     "memox.jit / eqx.filter_jit, most slots": Goal(
         "<=",

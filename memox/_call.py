@@ -167,7 +167,7 @@ def revive(module: M) -> M:
     it recomputes, and warns. Only a donation the caller asked for deletes a slot's arrays
     (`donate=` of `eqx.filter_jit` or `memox.filter_jit`, `jax.jit`'s `donate_argnums`):
     `memox.jit` donates a slot only where nothing else holds its arrays, and gives the
-    module passed in the slot it returns (`_jit.py`)."""
+    module passed in the slot it returns (`_donation.py`)."""
     return _revived(module, list(slot_sites(module)))[0]
 
 

@@ -1,0 +1,74 @@
+"""Who holds a slot's arrays: where `memox.jit` may donate them, and what the slot's
+node holds after.
+
+**Nothing the caller holds loses its arrays.** `memox.jit` donates the slots, so that a
+hit, whose table passes through unchanged, copies nothing and a miss writes its entry in
+place. A donated array is deleted, so the rule is: a slot's arrays are donated only
+where the slot (the `Memo` node in the module passed in) is the one object that holds
+them (`held_once`), and after the call that node is given the returned slot's arrays
+(`hand_over`). Every object that reaches the module passed in (an early-stopping
+`best = model`, the caller's own variable) therefore still holds readable arrays: the
+slot as the call left it (valid by the key rule, so a later call on it hits where its
+parameters match), and its parameters never crossed the boundary. Where anything else
+holds a slot's arrays too (a list of leaves, a copy of the module made by a tree
+operation, the node of an older module given the same arrays), the call donates a copy
+of them instead: one copy of the table. Who holds an array is read from its reference
+count (as NumPy elides temporaries): exact in CPython, calibrated once, and only ever
+wrong towards copying. In the threaded loop (`out, model = step(model, x)`) the old
+module is gone by the next call, so every hit copies nothing; a kept module costs one
+copy at the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from ._fingerprint import is_concrete_array
+from ._slot import Memo
+
+
+def _references(leaves: list, j: int) -> int:
+    """`sys.getrefcount` of `leaves[j]`, counted the same way wherever it is called from
+    (compared with `_HELD_ONCE` only, which this same function measured)."""
+    x = leaves[j]
+    return sys.getrefcount(x)
+
+
+def _calibrated() -> int:
+    """`_references` of an object held by one list and by one other object: a slot's
+    array held by its `Memo` node and by the list of leaves flattened from it."""
+    probe = object()
+    node, leaves = [probe], [probe]
+    del probe
+    found = _references(leaves, 0)
+    del node
+    return found
+
+
+_HELD_ONCE = _calibrated()
+
+
+def held_once(leaves: list, a: int, b: int) -> bool:
+    """Whether the concrete arrays `leaves[a:b]` (one slot's) are each held by one object
+    besides `leaves` (the node they were flattened from) and by nothing else."""
+    if not is_concrete_array(leaves[a]):  # (a slot is concrete or traced as a whole)
+        return False
+    for j in range(a, b):
+        if _references(leaves, j) != _HELD_ONCE:
+            return False
+    return True
+
+
+_SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))
+
+
+def hand_over(node: Memo, new: Memo) -> None:
+    """Give `node`, whose arrays were donated, the arrays of the slot returned in their
+    place: every object reaching it (a module the caller kept) reads the slot as the
+    call left it. (A slot is an immutable pytree node to everything else; this is the
+    one place memox sets its fields, and only on arrays it has just consumed.)"""
+    fields = object.__getattribute__(new, "__dict__")  # (`eqx.Module`'s own is slower)
+    target = object.__getattribute__(node, "__dict__")
+    for name in _SLOT_FIELDS:
+        target[name] = fields[name]

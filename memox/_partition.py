@@ -1,0 +1,390 @@
+"""The partition of a call's inputs into slots and everything else, and its reassembly:
+how `memox.jit` passes a call to `jax.jit` and puts the returned slots back.
+
+The wrapper flattens its arguments once, without a Python test per node: where the
+slots' leaves lie is worked out once per tree structure (`_Layout`, by rebuilding the
+module with integers for leaves; a module whose nodes refuse that is taken apart node
+by node). The arrays are traced arguments: the module's, then the arguments', then the
+allocated slots' leaves, one list per slot (a slot object found at several paths is
+passed once: a buffer can be donated only once). Everything else (the tree structures,
+static fields and non-array leaves) is one hashable static argument, `Signature`: the
+semantics of `eqx.filter_jit`, without its second partition of the same trees on every
+call. Which slots the call may donate is read while the leaves are flattened, before
+anything else holds them (`_donation.py`). The returned slots are spliced into the
+caller's module (`_Split.put`): every other leaf is the caller's own array.
+
+The entries of a slot whose hit was decided on the host are passed apart (read, not
+donated), put back inside the trace (`refilled`), and leave the compiled function as
+`None` (`without_entries`): the wrapper gives back the caller's arrays (`with_entries`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from ._caches import Cache
+from ._donation import hand_over, held_once
+from ._fingerprint import is_concrete_array
+from ._sites import Path, child, replace_slots
+from ._slot import ENTRY_FIELDS, Memo, is_memo
+from ._table import copied
+
+
+_ARRAY = object()  # marks a leaf passed as an array
+# What `eqx.is_array` accepts, inlined (called on every leaf at every call; pinned by
+# `test_partition.py` against `eqx.is_array`).
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_MEMO_TYPES = Cache("memo types", 4096)  # type -> whether it is a `Memo`
+
+
+def _is_memo(x: Any) -> bool:
+    """`is_memo`, with the answer kept per type (`isinstance` on an `eqx.Module` class
+    goes through `ABCMeta`: called on every node of the module at every call)."""
+    kind = type(x)
+    found = _MEMO_TYPES.get(kind)
+    if found is None:
+        found = _MEMO_TYPES.put(kind, is_memo(x))
+    return found
+
+
+def _ready(slot: Memo) -> bool:
+    """Whether `slot` needs neither allocation nor revival (the common case, checked fast:
+    an empty slot may not need allocation, and is left to the slow path to decide)."""
+    return slot.allocated and not (is_concrete_array(slot.value) and slot.value.is_deleted())
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotLeaf:
+    """Marks leaf `j` of an allocated slot, passed in the `index`-th list of slot leaves
+    (a slot object found at several paths, as in a shared submodule, is passed once: a
+    buffer can be donated only once)."""
+
+    index: int
+    j: int
+
+
+_SLOT_LEAVES = Cache("slot leaf markers", 1 << 16)  # (index, j) -> _SlotLeaf
+
+
+def _slot_leaf(index: int, j: int) -> _SlotLeaf:
+    """The marker, the same object at every call (compared by identity first when
+    `jax.jit` looks its signature up)."""
+    found = _SLOT_LEAVES.get((index, j))
+    if found is None:
+        found = _SLOT_LEAVES.put((index, j), _SlotLeaf(index, j))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the slots are in a module of one tree structure, in flattening order: the
+    range of leaves of each (`(-1, -1)` where it has none), and its path."""
+
+    ranges: tuple[tuple[int, int], ...]
+    paths: tuple[Path, ...]
+
+    def node(self, module: Any, k: int) -> Any:
+        """The `k`-th slot node of `module` (None where its path cannot be followed)."""
+        node = module
+        try:
+            for entry in self.paths[k]:
+                if isinstance(entry, jtu.GetAttrKey):  # a field (`eqx.Module`'s is slower)
+                    node = object.__getattribute__(node, entry.name)
+                else:
+                    node = child(node, entry)
+        except Exception:
+            return None
+        return node
+
+
+_layouts = Cache("layouts", 1024)  # PyTreeDef -> _Layout | None
+
+
+def _layout(treedef: Any) -> _Layout | None:
+    """The layout of a module of structure `treedef` (computed once per structure, by
+    rebuilding the module with integers for leaves; None where its nodes refuse that)."""
+    if treedef in _layouts:
+        return _layouts[treedef]
+    found: _Layout | None
+    try:
+        tree = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
+        ranges, paths = [], []
+        for path, x in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
+            if is_memo(x):
+                idx: list[int] = jtu.tree_leaves(x)
+                ranges.append((idx[0], idx[-1] + 1) if idx else (-1, -1))
+                paths.append(path)
+        found = _Layout(tuple(ranges), tuple(paths))
+    except Exception:  # a node that checks its leaves: the general path
+        found = None
+    return _layouts.put(treedef, found)
+
+
+def _concrete(leaves: list[Any]) -> bool:
+    """Whether one slot's leaves (a slot is concrete or traced as a whole) are concrete."""
+    return is_concrete_array(next(x for x in leaves if x is not None))
+
+
+@dataclasses.dataclass
+class _Split:
+    """A call taken apart: the signature, the arrays, the slots' leaves (one list per
+    slot), a function putting new slots (by index in flattening order) into the module,
+    whether every slot is ready (needs neither allocation nor revival), and, with
+    donation, the slots to hand over: per list of leaves, the `Memo` node that alone
+    holds them (None where something else holds them too), and the index of its slot."""
+
+    signature: Signature
+    arrays: list[Any]
+    slot_leaves: list[list[Any]]
+    put: Callable[[dict[int, Memo]], Any]
+    ready: bool
+    owners: list[Memo | None]
+    first: list[int]
+
+    def flat(self) -> list[Any]:
+        """The call's input arrays in one list: the arrays, then the slots' leaves (the
+        positions `_prehash.Hits` and the trace's `Scope` agree on)."""
+        return [*self.arrays, *(x for leaves in self.slot_leaves for x in leaves)]
+
+    def parted(self, hits: tuple) -> tuple[list[list[Any]], list[list[Any]]]:
+        """The slots' leaves, with `None` for the entries of each slot whose hit was
+        decided on the host, and those entries (passed apart: read, not donated)."""
+        if not hits:
+            return self.slot_leaves, []
+        out = list(self.slot_leaves)
+        starts = _starts(len(self.arrays), out)
+        kept = []
+        for positions in hits:
+            i = starts[positions[0]]
+            at = {p - positions[0] for p in positions}
+            kept.append([x for j, x in enumerate(out[i]) if j in at])
+            out[i] = [None if j in at else x for j, x in enumerate(out[i])]
+        return out, kept
+
+    def donated(self, slot_leaves: list[list[Any]]) -> list[list[Any]]:
+        """`slot_leaves` to donate: a copy of those that something else holds (none in
+        the threaded loop; traced ones are not donated: an outer trace's)."""
+        if all(owner is not None for owner in self.owners):
+            return slot_leaves
+        return [
+            leaves if owner is not None or not _concrete(leaves) else copied(leaves)
+            for leaves, owner in zip(slot_leaves, self.owners)
+        ]
+
+    def hand_over(self, new_slots: dict[int, Memo]) -> None:
+        """Give each donated slot node the slot returned in its place."""
+        for owner, k in zip(self.owners, self.first):
+            if owner is not None and k in new_slots:
+                hand_over(owner, new_slots[k])
+
+    def hand_over_empty(self) -> None:
+        """Where the call failed after consuming a donated slot: give its node an empty
+        allocation of the same shapes (it recomputes; nothing the caller holds breaks)."""
+        for owner, leaves in zip(self.owners, self.slot_leaves):
+            if owner is not None and any(x.is_deleted() for x in leaves):
+                hand_over(owner, jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), owner))
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What a call is compiled for (the static argument of `jax.jit`, hashable): the
+    tree structures of the module and of the arguments, and every leaf that is not an
+    array. The arrays travel separately: the module's then the arguments', and the
+    allocated slots' leaves, one list per slot."""
+
+    module: Any  # treedef of the module
+    module_leaves: tuple[Any, ...]  # the leaf where static, else `_ARRAY` or a `_SlotLeaf`
+    arguments: Any  # treedef of `(args, kwargs)`
+    argument_leaves: tuple[Any, ...]  # the leaf where static; `_ARRAY`
+
+    @classmethod
+    def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
+        leaves, treedef = jtu.tree_flatten(module)
+        layout = _layout(treedef)
+        if layout is None:
+            del leaves  # (it holds the slots' arrays: `_split_nested` counts who does)
+            return cls._split_nested(module, args, kwargs, donate)
+        # Before anything else holds them: which slots' arrays their node alone holds.
+        alone = [donate and a >= 0 and held_once(leaves, a, b) for a, b in layout.ranges]
+        statics: list[Any] = leaves[:]
+        in_slot = [False] * len(leaves)
+        slot_leaves: list[list[Any]] = []
+        owners: list[Memo | None] = []
+        first: list[int] = []
+        seen: dict[int, int] = {}
+        ready = True
+        for k, (a, b) in enumerate(layout.ranges):
+            if a < 0 or not isinstance(leaves[a], ARRAY_TYPES):  # empty, or filtered out
+                ready = False
+                continue
+            value = leaves[a]
+            if is_concrete_array(value) and value.is_deleted():
+                ready = False
+            index = seen.setdefault(id(value), len(slot_leaves))
+            if index == len(slot_leaves):
+                slot_leaves.append(leaves[a:b])
+                node = layout.node(module, k) if alone[k] else None
+                owned = is_memo(node) and object.__getattribute__(node, "value") is value
+                owners.append(node if owned else None)
+                first.append(k)
+            for j in range(b - a):
+                statics[a + j] = _slot_leaf(index, j)
+                in_slot[a + j] = True
+        arrays: list[Any] = []
+        for i, x in enumerate(leaves):
+            if not in_slot[i] and isinstance(x, ARRAY_TYPES):
+                arrays.append(x)
+                statics[i] = _ARRAY
+        arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
+
+        def put(new_slots: dict[int, Memo]) -> Any:
+            new = {k: jtu.tree_leaves(slot) for k, slot in new_slots.items()}
+            if any(len(x) != b - a for k, x in new.items() for a, b in [layout.ranges[k]]):
+                # A slot the call allocated (an unused snapshot's marker became `None`):
+                # the structure changed there.
+                tree = jtu.tree_unflatten(treedef, leaves)
+                return replace_slots(tree, {layout.paths[k]: s for k, s in new_slots.items()})
+            for k, x in new.items():
+                a, b = layout.ranges[k]
+                leaves[a:b] = x
+            return jtu.tree_unflatten(treedef, leaves)
+
+        signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
+
+    @classmethod
+    def _split_nested(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
+        """`split` for a module whose structure cannot be rebuilt from placeholders:
+        slots found as nodes (slower: a Python test on every node)."""
+        leaves, treedef = jtu.tree_flatten(module, is_leaf=_is_memo)
+        arrays: list[Any] = []
+        slot_leaves: list[list[Any]] = []
+        owners: list[Memo | None] = []
+        first: list[int] = []
+        seen: dict[int, int] = {}
+        statics, memos, ready = [], [], True
+        for i, x in enumerate(leaves):
+            if _is_memo(x):
+                ready = ready and _ready(x)
+                if not x.allocated:
+                    statics.append(x)
+                    memos.append(i)
+                    continue
+                if id(x) not in seen:
+                    one_slot, slot_treedef = jtu.tree_flatten(x)
+                    alone = donate and held_once(one_slot, 0, len(one_slot))
+                    seen[id(x)] = len(slot_leaves)
+                    slot_leaves.append(one_slot)
+                    owners.append(x if alone else None)
+                    first.append(len(memos))
+                statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
+                memos.append(i)
+            elif isinstance(x, ARRAY_TYPES):
+                arrays.append(x)
+                statics.append(_ARRAY)
+            else:
+                statics.append(x)
+        arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
+
+        def put(new_slots: dict[int, Memo]) -> Any:
+            for k, slot in new_slots.items():
+                leaves[memos[k]] = slot
+            return jtu.tree_unflatten(treedef, leaves)
+
+        signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
+
+    @staticmethod
+    def _arguments(args: tuple, kwargs: dict, arrays: list[Any]) -> tuple[tuple, Any]:
+        arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
+        statics = []
+        for x in arg_leaves:
+            if isinstance(x, ARRAY_TYPES):
+                arrays.append(x)
+                statics.append(_ARRAY)
+            else:
+                statics.append(x)
+        return tuple(statics), arg_treedef
+
+    def rebuild(self, arrays: list[Any], slot_leaves: list[list[Any]]) -> tuple[Any, tuple, dict]:
+        arrays_ = iter(arrays)
+        rebuilt: dict[int, Any] = {}
+        leaves = []
+        for x in self.module_leaves:
+            if x is _ARRAY:
+                leaves.append(next(arrays_))
+            elif isinstance(x, _SlotLeaf):
+                leaves.append(slot_leaves[x.index][x.j])
+            elif isinstance(x, _Slot):
+                if x.index not in rebuilt:
+                    rebuilt[x.index] = jtu.tree_unflatten(x.treedef, slot_leaves[x.index])
+                leaves.append(rebuilt[x.index])
+            else:
+                leaves.append(x)
+        arg_leaves = [next(arrays_) if x is _ARRAY else x for x in self.argument_leaves]
+        args, kwargs = jtu.tree_unflatten(self.arguments, arg_leaves)
+        return jtu.tree_unflatten(self.module, leaves), args, kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Marks an allocated slot, passed as its leaves: the `index`-th list of slot leaves
+    (for `Signature._split_nested`)."""
+
+    treedef: Any
+    index: int
+
+
+def without_entries(slot: Memo) -> Memo:
+    """`slot` with its entries `None`: what leaves the compiled function for a slot whose
+    hit was decided on the host (its entries are the caller's arrays, given back)."""
+    return _replaced(slot, dict.fromkeys(ENTRY_FIELDS))
+
+
+def with_entries(slot: Memo, entries: list[Any]) -> Memo:
+    """`slot` (from `without_entries`) with `entries` (`entry_leaves` of the slot passed
+    in) put back."""
+    return _replaced(slot, dict(zip(ENTRY_FIELDS, entries)))
+
+
+def _replaced(slot: Memo, fields: dict[str, Any]) -> Memo:
+    """A copy of `slot` with `fields` replaced, its converters and checks not run again
+    (as `jtu.tree_unflatten` makes a module)."""
+    new = object.__new__(type(slot))
+    target = object.__getattribute__(new, "__dict__")
+    target.update(object.__getattribute__(slot, "__dict__"))
+    target.update(fields)
+    return new
+
+
+def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:
+    """The position of each slot's first leaf among a call's flat inputs (its arrays,
+    then the slots' leaves), to the slot's index."""
+    starts = {}
+    for i, leaves in enumerate(slot_leaves):
+        starts[first] = i
+        first += len(leaves)
+    return starts
+
+
+def refilled(n_arrays: int, hits: tuple, slot_leaves: list, kept: list) -> list:
+    """The slots' leaves with the entries of the slots whose hits were decided on the host
+    (passed apart, in `kept`) put back."""
+    if not hits:
+        return slot_leaves
+    out = list(slot_leaves)
+    starts = _starts(n_arrays, slot_leaves)
+    for positions, entries in zip(hits, kept):
+        i = starts[positions[0]]
+        leaves = list(out[i])
+        for p, x in zip(positions, entries):
+            leaves[p - positions[0]] = x
+        out[i] = leaves
+    return out

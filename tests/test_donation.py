@@ -1,0 +1,117 @@
+"""`memox.jit`'s donation: nothing the caller holds loses its arrays (issue 18). A slot's
+arrays are donated only where its node alone holds them, and that node is given the
+returned slot; anything else holding them gets a copy donated in their place
+(`memox/_donation.py`)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import Counter, Foo, foo
+
+import memox
+
+
+def _usable(tree, tmp_path):
+    """Everything a user does with a module they kept works: serialise, fetch, compile."""
+    eqx.tree_serialise_leaves(tmp_path / "kept.eqx", tree)
+    jax.device_get(tree)
+    return eqx.filter_jit(lambda t: jax.tree.map(jnp.copy, eqx.filter(t, eqx.is_array)))(tree)
+
+
+def test_a_module_kept_across_steps_stays_usable(tmp_path):
+    # Regression: an early-stopping `best = model` lost its slot buffers to the next
+    # `memox.jit` step (donated): serialising, `jax.device_get` and `eqx.filter_jit` of
+    # it raised JAX's "Array has been deleted".
+    c = Counter()
+    step = memox.jit(lambda f, x: f.b() * x)
+    f = foo(c)
+    _, f = step(f, jnp.float32(1))
+    best = f
+    for i in range(3):
+        _, f = step(f, jnp.float32(i))
+        f = eqx.tree_at(lambda t: t.a, f, f.a + 1.0)  # the parameters move: recomputes
+    _usable(best, tmp_path)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best))
+    jax.effects_barrier()
+    assert c.n == 3  # one computation per parameter value
+    # Its slot is the one the step after it left: filled for its parameters, a hit.
+    b, best2 = memox.call(best, Foo.b)  # no warning (pytest: warnings are errors)
+    jax.effects_barrier()
+    assert b == jnp.sum(best.a) and best2.a is best.a and c.n == 3
+
+
+def test_the_module_passed_in_stays_usable_and_keeps_what_the_call_stored(tmp_path):
+    c = Counter()
+    step = memox.jit(Foo.b)
+    f = memox.init(foo(c))
+    b1, g = step(f)  # f, not threaded: it still works, and holds the value computed
+    b2, h = step(f)
+    assert c.n == 1 and b1 == b2 == jnp.sum(f.a)
+    _usable(f, tmp_path)
+    _usable(g, tmp_path)
+    _, h = step(h)
+    assert c.n == 1 and memox.stats(h)["b_cache"].hits == 2
+
+
+@pytest.mark.parametrize("holder", ["leaves", "tree_map", "the slot", "the value"])
+def test_arrays_held_elsewhere_are_not_donated(holder, tmp_path):
+    c = Counter()
+    step = memox.jit(Foo.b)
+    _, f = step(foo(c))
+    kept = {
+        "leaves": lambda: jax.tree.leaves(f),
+        "tree_map": lambda: jax.tree.map(lambda x: x, f),  # new nodes, the same arrays
+        "the slot": lambda: f.b_cache,
+        "the value": lambda: [f.b_cache.value],
+    }[holder]()
+    for _ in range(2):
+        _, f = step(f)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+    _usable(kept, tmp_path)
+    assert c.n == 1
+
+
+@jax.tree_util.register_pytree_node_class
+class Checked:
+    """A pytree node that checks its leaves: `memox.jit` cannot rebuild the module from
+    placeholders, and finds its slots node by node (the general path)."""
+
+    def __init__(self, x):
+        if not isinstance(x, jax.Array):
+            raise TypeError("an array, please")
+        self.x = x
+
+    def tree_flatten(self):
+        return (self.x,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+class Holder(eqx.Module):
+    extra: jax.Array | Checked
+    f: Foo
+
+
+@pytest.mark.parametrize("extra", ["array", "node that checks its leaves"])
+def test_a_hit_in_the_threaded_loop_copies_no_table(extra):
+    # The threaded loop donates the slot's buffers: the table stays where it is (a hit
+    # copies nothing), also after the one step that copies because an old module was kept.
+    c = Counter()
+    step = memox.jit(lambda h, x: h.f.b() * x)
+    h = Holder(jnp.ones(2) if extra == "array" else Checked(jnp.ones(2)), foo(c))
+    _, h = step(h, jnp.float32(1))
+    pointer = h.f.b_cache.value.unsafe_buffer_pointer()
+    for i in range(3):
+        _, h = step(h, jnp.float32(i))
+        assert h.f.b_cache.value.unsafe_buffer_pointer() == pointer
+    best = h  # kept: the next step leaves it readable (one copy), then donates again
+    _, h = step(h, jnp.float32(1))
+    _, h = step(h, jnp.float32(2))
+    pointer = h.f.b_cache.value.unsafe_buffer_pointer()
+    for i in range(3):
+        _, h = step(h, jnp.float32(i))
+        assert h.f.b_cache.value.unsafe_buffer_pointer() == pointer
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best)) and c.n == 1
