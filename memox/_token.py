@@ -10,6 +10,9 @@ two parts exactly when memox may treat them as the same, by one rule in every pr
   element by element; NumPy arrays and scalars by dtype, shape and bytes; dtypes;
 - dataclass instances and NamedTuples field by field, with their type; enum members;
   `functools.partial`s by function and arguments; a `jax.Device` by platform and id;
+  JAX's own objects (a `Mesh`, a `PartitionSpec`, a `NamedSharding`) by their pickle
+  reduction, where rebuilding from it gives the object back (proven on each encoding:
+  no list of their fields to go stale when JAX adds one);
 - functions and classes importable under their qualified name, and objects bound to a
   name in the module that defines their class (a sentinel), by that name;
 - any other function (a lambda, a closure, a function defined in a function) by its
@@ -182,6 +185,7 @@ class _Tokens:
             a = np.asarray(x)
             if not a.dtype.hasobject:
                 return ("A", a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes())
+            return ("AO", a.shape, tuple(map(self.of, a.flat)))  # (a mesh's devices)
         if isinstance(x, np.dtype):
             return ("D", str(x))
         return self._named(x, kind)
@@ -226,7 +230,29 @@ class _Tokens:
             return ("pr", self.of((x.fget, x.fset, x.fdel, x.__doc__)))
         if kind is types.MemberDescriptorType or kind is types.GetSetDescriptorType:
             return ("md", self.of(x.__objclass__.__qualname__), x.__name__)
+        if kind.__module__.partition(".")[0] in _REBUILT_BY_PICKLE:
+            rebuilt = self.reduced(x, kind)
+            if rebuilt is not None:
+                return rebuilt
         return self.local(x, by_identity=kind.__eq__ is object.__eq__)
+
+    def reduced(self, x: Any, kind: type) -> Any:
+        """`x` by its pickle reduction `(f, args)`, where that holds no state and rebuilds
+        `x`: `f(*args)` is `x` (an interned class: a `Mesh`) or equals it by its class's
+        own `__eq__` (a `PartitionSpec`, a `NamedSharding`). Canonical by construction:
+        equal tokens rebuild equal objects, in any process. Else `None`."""
+        try:
+            reduction = x.__reduce_ex__(4)
+            if isinstance(reduction, str) or any(p is not None for p in reduction[2:]):
+                return None
+            f, args = reduction[:2]
+            rebuilt = f(*args)
+            same = rebuilt is x or (
+                kind.__eq__ is not object.__eq__ and type(rebuilt) is kind and bool(rebuilt == x)
+            )
+        except Exception:  # no reduction, or one that does not rebuild here
+            return None
+        return ("r", self.of(f), self.of(args)) if same else None
 
     def function(self, f: types.FunctionType) -> Any:
         """A function that has no importable name (a lambda, a closure, a function
@@ -356,6 +382,10 @@ def _short(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Modules whose classes are keyed by their pickle reduction (`_Tokens.reduced`): JAX's
+# own, whose reductions rebuild an object without side effects (memox calls them on
+# every call that reads such a part).
+_REBUILT_BY_PICKLE = frozenset({"jax", "jaxlib"})
 # Class attributes that follow from the others (instance dictionaries and weak references
 # of a class without `__slots__`) or that name the class (in its token already).
 _DERIVED = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__"})

@@ -5,6 +5,7 @@ executions; and one answer in every process: functions and classes defined in a
 function by their code (issue 19)."""
 
 import dataclasses
+import itertools
 import operator
 import re
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import PLACEMENTS, Counter, assert_same, call_in
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memox
 from memox import Memo, _key, _token
@@ -294,6 +296,81 @@ def test_several_processes_refuse_a_part_without_a_canonical_token(monkeypatch, 
     # Canonical parts pass.
     value, _ = memox.call(Mapped(jnp.arange(3.0), _scaled(2.0)), Mapped.out)
     assert_same(value, 2.0 * jnp.arange(3.0))
+
+
+# -- JAX's own objects by their pickle reduction -----------------------------------------
+
+
+def _sharding_parts():
+    explicit = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    auto = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+    meshes = [explicit, auto, jax.make_mesh((1,), ("y",)), jax.make_mesh((1, 1), ("x", "y"))]
+    specs = [P(), P("x"), P(None), P(("x",)), P("x", None), P("x", unreduced={"y"})]
+    specs.append(P(P.UNCONSTRAINED))
+    shardings = [NamedSharding(m, s) for m in (explicit, auto) for s in specs[:3]]
+    shardings.append(NamedSharding(explicit, P("x"), memory_kind="pinned_host"))
+    return [*meshes, *specs, *shardings, explicit.abstract_mesh, auto.abstract_mesh]
+
+
+def test_meshes_specs_and_shardings_have_equal_tokens_exactly_when_equal():
+    # Built twice: equal objects that are distinct (specs, shardings) and interned ones
+    # (a `Mesh` built again is the same object); none numbered by this process.
+    for a, b in itertools.product(_sharding_parts(), _sharding_parts()):
+        same = a is b if type(a).__eq__ is object.__eq__ else type(a) is type(b) and a == b
+        assert (_token.token(a) == _token.token(b)) == bool(same), (a, b)
+    assert not any(_key.static_key(_token.token(p)).local for p in _sharding_parts())
+
+
+def test_a_sharding_has_the_same_bytes_in_every_process():
+    import subprocess
+    import sys
+
+    made = 'NamedSharding(jax.make_mesh((1,), ("x",)), P("x", None), memory_kind="device")'
+    script = (
+        "import jax; from jax.sharding import NamedSharding, PartitionSpec as P; "
+        "from memox import _key, _token; "
+        f"k = _key.static_key(_token.token({made})); print(k.local, k.encoded.hex())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123", "JAX_PLATFORMS": "cpu"},
+    ).stdout.split()
+    here = _key.static_key(_token.token(eval(made)))
+    assert out == ["False", here.encoded.hex()] and not here.local
+
+
+_RUNS = []
+
+
+def _ran():
+    _RUNS.append(None)
+
+
+class Placed(eqx.Module):
+    x: jax.Array
+    sharding: object = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        jax.debug.callback(_ran)
+        return jax.device_put(2 * self.x, self.sharding)
+
+
+def test_several_processes_take_a_sharding_by_value(monkeypatch):
+    from memox import _jax_internals
+
+    monkeypatch.setattr(_jax_internals, "process_count", lambda: 2)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+    runs = len(_RUNS)
+    value, module = memox.call(Placed(jnp.arange(4.0), NamedSharding(mesh, P("x"))), Placed.out)
+    again = Placed(module.x, NamedSharding(mesh, P("x")), cache=module.cache)  # equal, not same
+    value_again, _ = memox.call(again, Placed.out)
+    assert len(_RUNS) - runs == 1
+    assert_same(value_again, value)
 
 
 class Mapped(eqx.Module):
