@@ -230,3 +230,11 @@ EMPTY_TRACED = (
     "*args)` for a method that takes arguments (`memox.jit`, `memox.filter_jit` and "
     "`eqx.filter_jit` allocate by themselves)."
 )
+
+MESH_NOT_FOUND = (
+    "A cached method's value is sharded over `Explicit` mesh axes {axes}, and none of its "
+    "inputs lives on that mesh: outside a trace memox cannot place the slot's table there "
+    "(it knows the mesh only abstractly). Call it where the mesh is set "
+    "(`with jax.set_mesh(mesh):`, which also places new arrays on it), place one of the "
+    "module's arrays on the mesh, or call it inside `memox.jit` / `jax.jit`."
+)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
-from . import _errors
+from . import _errors, _jax_internals
 from ._fingerprint import is_concrete_array
 from ._key import explicit_sharding
 from ._slot import ENTRY_FIELDS, FIELDS, Memo
@@ -235,6 +235,8 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
         if concrete is not None and getattr(concrete, "abstract_mesh", None) == mesh:
             mesh = concrete
             break
+    if not isinstance(mesh, jax.sharding.Mesh) and not _jax_internals.transforming():
+        raise ValueError(_errors.MESH_NOT_FOUND.format(axes=tuple(mesh.axis_names)))
     want = NamedSharding(mesh, want.spec)
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -296,3 +296,32 @@ def test_jit_donate_must_be_a_bool(donate):
 def test_jit_as_a_decorator_factory_checks_fn(fn):
     with pytest.raises(TypeError, match=r"`memox.jit`: `fn` must be callable; got"):
         memox.jit(donate=False)(fn)
+
+
+class _Placed(eqx.Module):
+    x: jax.Array
+    sharding: object = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        return jax.device_put(2 * self.x, self.sharding)
+
+
+def test_an_explicit_mesh_no_input_lives_on_is_named_eagerly():
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    module = _Placed(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    with pytest.raises(ValueError, match=r"sharded over `Explicit` mesh axes \('x',\)") as e:
+        memox.call(module, _Placed.out)
+    assert "jax.set_mesh(mesh)" in str(e.value)
+    # Each way out the message names works.
+    value, _ = memox.jit(lambda m: m.out())(module)
+    with jax.set_mesh(mesh):
+        placed = _Placed(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+        value_set, placed = memox.call(placed, _Placed.out)
+        again, placed = memox.call(placed, _Placed.out)
+    assert memox.stats(placed)["cache"].hits == 1
+    np.testing.assert_array_equal(value, value_set)
+    np.testing.assert_array_equal(again, 2 * np.arange(4.0))
