@@ -77,12 +77,13 @@ class Net(eqx.Module):
     embed: jax.Array  # frozen
     w: jax.Array  # trained
     act: object = eqx.field(static=True)  # a lambda: encoded by its code
+    rows: NamedSharding = eqx.field(static=True)  # by its pickle reduction
     frozen: Memo[jax.Array] = Memo()
     trained: Memo[jax.Array] = Memo()
 
     @memox.cached("frozen", policy=FROZEN_POLICY)
     def basis(self):
-        return jnp.tanh(self.embed @ self.embed.T)
+        return jax.lax.with_sharding_constraint(jnp.tanh(self.embed @ self.embed.T), self.rows)
 
     @memox.cached("trained", policy=TRAINED_POLICY)
     def gram(self):
@@ -122,7 +123,7 @@ def build():
     w = jax.device_put(jax.random.normal(k2, (8, 4)) / 3, rows)
     x = jax.device_put(jax.random.normal(k3, (16, 8)), rows)
     y = jax.device_put(jnp.sin(jnp.arange(64.0)).reshape(16, 4), replicated)
-    model = memox.init(Net(embed, w, lambda h: _scale(jnp.tanh(h))))
+    model = memox.init(Net(embed, w, lambda h: _scale(jnp.tanh(h)), rows))
     opt_state = OPTIM.init(eqx.filter(model, _trained_only(model)))
     return {"model": model, "opt_state": opt_state, "x": x, "y": y}
 
