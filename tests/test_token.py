@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fuzz_parts import Cfg, nan
 from helpers import PLACEMENTS, Counter, assert_same, call_in
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -48,15 +49,6 @@ class Applied(eqx.Module):
         return how(self.x)
 
 
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    flag: object
-
-
-def _nan(payload):
-    return float(np.array(0x7FF8000000000000 | payload, np.uint64).view(np.float64))
-
-
 CASES = [
     (operator.itemgetter(0), operator.itemgetter(1)),
     (operator.attrgetter("real"), operator.attrgetter("imag")),
@@ -85,8 +77,8 @@ def test_distinct_static_parts_never_share_a_value(placement, first, second):
 
 
 def test_nan_payloads_are_distinct():
-    assert _token.token(_nan(1)) != _token.token(_nan(2))
-    assert _token.token(_nan(1)) == _token.token(_nan(1))
+    assert _token.token(nan(1)) != _token.token(nan(2))
+    assert _token.token(nan(1)) == _token.token(nan(1))
 
 
 def test_two_devices_get_two_keys():
