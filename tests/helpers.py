@@ -1,4 +1,4 @@
-"""Shared test models, counters of real executions (not traces), readers of slot
+"""Shared test models, counters of real executions and of traces, readers of slot
 statistics and jaxprs, and the placements a cached call is tested in."""
 
 import contextlib
@@ -34,6 +34,21 @@ class Counter:
         finally:
             jax.effects_barrier()
             self.n = n
+
+
+class Traces:
+    """Counts traces: how often JAX runs a traced function's Python body (the body calls
+    `tick()`; `tick(x)` also records what that trace saw, in `seen`)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def tick(self, what=None):
+        self.seen.append(what)
+
+    @property
+    def n(self):
+        return len(self.seen)
 
 
 class Foo(eqx.Module):

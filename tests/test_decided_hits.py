@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Counter
+from helpers import Counter, Traces
 
 import memox
 from memox import Memo
@@ -240,10 +240,10 @@ def test_the_programs_per_signature_are_bounded():
             c.tick()
             return jnp.tanh(self.d)
 
-    traces = []
+    traces = Traces()
 
     def fn(m):
-        traces.append(None)
+        traces.tick()
         return m.fa() + m.fb() + m.fd()
 
     step = memox.jit(fn)
@@ -254,7 +254,7 @@ def test_the_programs_per_signature_are_bounded():
                 m = eqx.tree_at(lambda t: getattr(t, name), m, getattr(m, name) + 1)
         y, m = step(m)
         np.testing.assert_allclose(y, jnp.sin(m.a) + jnp.cos(m.b) + jnp.tanh(m.d), rtol=1e-6)
-    assert len(traces) == MAX_VARIANTS
+    assert traces.n == MAX_VARIANTS
 
 
 @pytest.mark.parametrize("wrapper", ["memox.jit", "memox.filter_jit"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, Traces, foo
 
 import memox
 from memox import Memo, _prehash
@@ -39,7 +39,8 @@ def frozen(counter, seed=0):
 
 def training_step(jit, traces):
     """The standard Equinox + optax step, `jit` being `eqx.filter_jit` or
-    `memox.filter_jit`; the head `v` is trained, `w` frozen by the filter spec."""
+    `memox.filter_jit`, its traces counted in `traces` (a `Traces`); the head `v` is
+    trained, `w` frozen by the filter spec."""
     optim = optax.sgd(1e-2, momentum=0.9)  # (adam mixes int32 and floats: strict promotion)
 
     def spec(model):
@@ -51,7 +52,7 @@ def training_step(jit, traces):
 
     @jit
     def step(model, opt_state, x, y):
-        traces.append(1)
+        traces.tick()
         diff, static = eqx.partition(model, spec(model))
         (loss, model), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(diff, static, x, y)
         updates, opt_state = optim.update(grads, opt_state)
@@ -72,7 +73,7 @@ def test_same_results_and_structures_as_eqx_filter_jit():
     x, y = data()
     runs, c = {}, Counter()  # one counter: the static fields compare equal
     for jit in (eqx.filter_jit, memox.filter_jit):
-        n0, traces = c.n, []
+        n0, traces = c.n, Traces()
         step, init = training_step(jit, traces)
         model = memox.init(frozen(c), Frozen.predict, x)
         opt_state = init(model)
@@ -81,7 +82,7 @@ def test_same_results_and_structures_as_eqx_filter_jit():
             model, opt_state, info = step(model, opt_state, x, y)
             out.append((model, opt_state, info))
         jax.effects_barrier()
-        runs[jit] = out, c.n - n0, len(traces)
+        runs[jit] = out, c.n - n0, traces.n
     (eqx_out, eqx_n, eqx_traces), (our_out, our_n, our_traces) = runs.values()
     # One more program for `memox.filter_jit`: the hit decided on the host (no check).
     assert (eqx_n, eqx_traces) == (1, 1) and (our_n, our_traces) == (1, 2)
@@ -107,7 +108,7 @@ def test_unchanged_inputs_are_fingerprinted_outside_once(monkeypatch):
 
     monkeypatch.setattr(_prehash.Inputs, "table", spy)
     monkeypatch.setattr(_prehash, "PREHASH_MIN_BYTES", 0)  # (this test's arrays are small)
-    c, traces = Counter(), []
+    c, traces = Counter(), Traces()
     x, y = data()
     step, init = training_step(memox.filter_jit, traces)
     model = memox.init(frozen(c), Frozen.predict, x)
@@ -124,12 +125,12 @@ def test_unchanged_inputs_are_fingerprinted_outside_once(monkeypatch):
     for a in (model.w, x):
         (row,) = [i for i in valid if arrays[i] is a]
         np.testing.assert_array_equal(second[row, :2], known(a))
-    assert c.n == 1 and len(traces) == 2  # (the second: the hit decided on the host)
+    assert c.n == 1 and traces.n == 2  # (the second: the hit decided on the host)
 
 
 def test_passed_through_arrays_come_back_as_the_callers_own():
     # The frozen `w` passes through the step unchanged: not copied, the same object.
-    c, traces = Counter(), []
+    c, traces = Counter(), Traces()
     x, y = data()
     step, init = training_step(memox.filter_jit, traces)
     model = memox.init(frozen(c), Frozen.predict, x)
@@ -201,11 +202,11 @@ def test_donation_matches_eqx_filter_jit():
 def test_traces_once_without_memox_init():
     # Empty slots are allocated before the first trace (as `memox.init` does for
     # methods without arguments), so the filled module does not retrace.
-    c, traces = Counter(), []
+    c, traces = Counter(), Traces()
 
     @memox.filter_jit
     def step(f, scale):
-        traces.append(1)
+        traces.tick()
         b, f = memox.call(f, Foo.b)
         return b * scale, f
 
@@ -213,15 +214,15 @@ def test_traces_once_without_memox_init():
     for _ in range(4):
         out, f = step(f, jnp.float32(2))
     # (the second trace: the program for the hit decided on the host)
-    assert len(traces) == 2 and c.n == 1 and out == 2 * jnp.sum(f.a)
+    assert traces.n == 2 and c.n == 1 and out == 2 * jnp.sum(f.a)
 
 
 def test_static_and_keyword_arguments_and_non_array_outputs():
-    c, traces = Counter(), []
+    c, traces = Counter(), Traces()
 
     @memox.filter_jit
     def fn(f, x, *, power, label="b"):
-        traces.append(power)
+        traces.tick(power)
         b, f = memox.call(f, Foo.b)
         return {label: b * x * power, "n": power, "none": None}, f
 
@@ -231,7 +232,7 @@ def test_static_and_keyword_arguments_and_non_array_outputs():
     assert out == {"b": 6 * jnp.sum(f.a), "n": 2, "none": None}
     out, f = fn(f, jnp.float32(3), power=3, label="c")  # static arguments: retraces
     # (the second trace: the program for the hit decided on the host)
-    assert set(out) == {"c", "n", "none"} and traces == [2, 2, 3] and c.n == 1
+    assert set(out) == {"c", "n", "none"} and traces.seen == [2, 2, 3] and c.n == 1
 
 
 def test_numpy_inputs_passed_through_come_back_as_jax_arrays():
@@ -313,17 +314,17 @@ def test_a_module_not_threaded_is_allocated_once(monkeypatch):
     monkeypatch.setattr(
         lifecycle, "allocate_plain_slots", lambda t: allocations.append(1) or allocate(t)
     )
-    c, traces = Counter(), []
+    c, traces = Counter(), Traces()
 
     @memox.filter_jit
     def step(f):
-        traces.append(1)
+        traces.tick()
         return memox.call(f, Foo.b)
 
     f = foo(c)
     for _ in range(4):
         out, _ = step(f)
-    assert len(allocations) == 1 and len(traces) == 1 and c.n == 4
+    assert len(allocations) == 1 and traces.n == 1 and c.n == 4
     del allocations[:]
     serve = memox.jit(lambda f: f.b())
     for _ in range(4):
@@ -389,20 +390,20 @@ def test_partitioned_model_as_arguments_works_as_under_eqx_filter_jit():
     # `eqx.partition` before the trace, computing the method on a module of `None`s.
     runs = {}
     for jit in (eqx.filter_jit, memox.filter_jit):
-        c, traces = Counter(), []
+        c, traces = Counter(), Traces()
         model = Normalised(jnp.arange(1.0, 4.0), c)
         diff, static = eqx.partition(model, eqx.is_inexact_array)
 
         @jit
         def step(diff, static, x):
-            traces.append(1)
+            traces.tick()
             y, model = memox.call(eqx.combine(diff, static), lambda m: m.unit() * x)
             return y, eqx.partition(model, eqx.is_inexact_array)
 
         for _ in range(3):
             y, (diff, static) = step(diff, static, jnp.float32(2))
         jax.effects_barrier()
-        runs[jit] = (np.asarray(y), len(traces), c.n)
+        runs[jit] = (np.asarray(y), traces.n, c.n)
     (y_eqx, *counts_eqx), (y_ours, *counts_ours) = runs.values()
     np.testing.assert_array_equal(y_ours, y_eqx)
     # The first fill retraces once (`memox.init` avoids it); `memox.filter_jit` then

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Kernel, gp_loss, gram, hits_and_misses
+from helpers import Counter, Kernel, Traces, gp_loss, gram, hits_and_misses
 
 import memox
 from memox import Memo
@@ -142,12 +142,11 @@ def test_compiled_derivative_equals_unmemoized_on_miss_and_on_hit(op, wrt):
     c = Counter()
     k = memox.init(_kernel(c))
     argnum = 0 if wrt == "log_scale" else 1
-    traces = 0
+    traces = Traces()
 
     @jax.jit
     def run(k, s, y):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return _apply(op, lambda s, y: _memo(k, s, y), argnum, s, y)
 
     ref = jax.jit(lambda x, s, y: _apply(op, lambda s, y: _loss_plain(x, s, y), argnum, s, y))
@@ -170,7 +169,7 @@ def test_compiled_derivative_equals_unmemoized_on_miss_and_on_hit(op, wrt):
         before = c.n
         run(k, k.log_scale, jnp.asarray(2 * Y))
         assert c.n == before
-    assert traces == 1
+    assert traces.n == 1
 
 
 def test_value_stored_under_compiled_grad_is_a_hit_afterwards():

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, Spectral, foo, hits_and_misses
+from helpers import Counter, Foo, Spectral, Traces, foo, hits_and_misses
 
 import memox
 from memox import Memo
@@ -32,11 +32,10 @@ WRAPPERS = ["jax.jit", "eqx.filter_jit", "memox.jit"]
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_fill_reaches_the_caller_and_traces_once(wrapper):
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     def fn(m, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return _scaled_b(m, x)
 
     step = _compile(wrapper, fn)
@@ -48,7 +47,7 @@ def test_fill_reaches_the_caller_and_traces_once(wrapper):
     # `memox.jit` compiles a second program once the host knows the slot hits (the
     # unchanged `f.a`): its read has no check (`_prehash.Hits`).
     programs = 2 if wrapper == "memox.jit" else 1
-    assert (traces, c.n) == (programs, 1)
+    assert (traces.n, c.n) == (programs, 1)
     assert hits_and_misses(f) == (3, 1)
     # The fill made inside the compiled function is the caller's: an eager call hits.
     _, f = memox.call(f, Foo.b)
@@ -58,7 +57,7 @@ def test_fill_reaches_the_caller_and_traces_once(wrapper):
     y, f = step(f, jnp.float32(2))
     assert y == 2 * (b + 1)
     _, f = step(f, jnp.float32(2))
-    assert (traces, c.n) == (programs, 2)
+    assert (traces.n, c.n) == (programs, 2)
     assert hits_and_misses(f) == (5, 2)
 
 
@@ -80,11 +79,10 @@ def test_without_init(wrapper):
     # the empty markers as static and the allocated slots it returns as arrays: two
     # traces.
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     def fn(m, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return _scaled_b(m, x)
 
     step = _compile(wrapper, fn)
@@ -93,18 +91,17 @@ def test_without_init(wrapper):
         y, f = step(f, jnp.float32(i))
     np.testing.assert_array_equal(y, 2 * jnp.sum(f.a))
     assert c.n == 1 and hits_and_misses(f) == (2, 1)
-    assert traces == 2
+    assert traces.n == 2
 
 
 def test_memox_jit_inside_jax_jit():
     c = Counter()
-    traces = 0
+    traces = Traces()
     inner = memox.jit(_scaled_b)
 
     @jax.jit
     def outer(m, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         y, m = inner(m, x)
         z, m = inner(m, 2 * x)
         return y + z, m
@@ -113,7 +110,7 @@ def test_memox_jit_inside_jax_jit():
     for _ in range(3):
         y, f = outer(f, jnp.float32(1))
     np.testing.assert_array_equal(y, 3 * jnp.sum(f.a))
-    assert (traces, c.n) == (1, 1)
+    assert (traces.n, c.n) == (1, 1)
     assert hits_and_misses(f) == (5, 1)
 
 
@@ -158,7 +155,7 @@ def _adam_loop(placement, trainable, steps=4):
     computations of the cached value."""
     import optax
 
-    counter, traces = Counter(), []
+    counter, traces = Counter(), Traces()
     a = jax.random.normal(jax.random.key(0), (6, 6))
     model = Spectral(a @ a.T, jnp.ones(6) / 6, counter)
     x = jax.random.normal(jax.random.key(1), (8, 6))
@@ -178,7 +175,7 @@ def _adam_loop(placement, trainable, steps=4):
         return jnp.mean((pred - y) ** 2), model
 
     def step(model, opt_state):
-        traces.append(None)
+        traces.tick()
         diff, static = eqx.partition(model, spec)
         (value, model), grads = eqx.filter_value_and_grad(loss, has_aux=True)(diff, static)
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, spec))
@@ -197,7 +194,7 @@ def _adam_loop(placement, trainable, steps=4):
         model, opt_state, value = step(model, opt_state)
         losses.append(value)
     jax.effects_barrier()
-    return np.array(losses), len(traces), counter.n
+    return np.array(losses), traces.n, counter.n
 
 
 @pytest.mark.parametrize("trainable", ["head", "all"])
@@ -283,10 +280,10 @@ def test_result_and_module_match_call():
 
 def test_keyword_and_static_arguments():
     c = Counter()
-    traces = []
+    traces = Traces()
 
     def fn(f, x, *, power):
-        traces.append(power)
+        traces.tick(power)
         return f.b() * x**power
 
     step = memox.jit(fn)
@@ -296,7 +293,7 @@ def test_keyword_and_static_arguments():
     assert y == 9 * jnp.sum(f.a)
     y, f = step(f, jnp.float32(3), power=3)  # a static argument: retraces
     # (the second trace: the program for the hit decided on the host)
-    assert traces == [2, 2, 3] and c.n == 1
+    assert traces.seen == [2, 2, 3] and c.n == 1
 
 
 def test_non_array_results_come_back_as_they_were():
@@ -392,11 +389,10 @@ FORMS = list(_forms(lambda m, x: x))
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_compiles_once_and_computes_once(form):
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     def fn(m, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return m.one() * x
 
     step, donate = _forms(fn)[form]
@@ -405,7 +401,7 @@ def test_every_form_compiles_once_and_computes_once(form):
         y, m = step(m, jnp.float32(i))
         np.testing.assert_array_equal(y, (jnp.arange(3.0) + 1) * i)
     # Two programs (the second: the hit decided on the host), one computation.
-    assert (traces, c.n) == (2, 1)
+    assert (traces.n, c.n) == (2, 1)
     assert memox.stats(m)["first"] == memox.SlotStats(hits=3, misses=1)
     assert callable(step.lower)  # pyright: ignore[reportFunctionMemberAccess]
     # `donate=` is honoured in every form.

@@ -7,7 +7,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, Kernel, foo, gp_loss, outer
+from helpers import Counter, Foo, Kernel, Traces, foo, gp_loss, outer
 from jax import lax
 
 import memox
@@ -668,19 +668,18 @@ def test_eagerly():
 
 
 def test_traced_once_under_jit():
-    traces = 0
+    traces = Traces()
 
     @jax.jit
     def run(f, xs):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return _reads_b(memox.scan, f, xs)
 
     c = Counter()
     f = memox.init(foo(c))
     for _ in range(3):
         f, _ = run(f, jnp.arange(T, dtype=jnp.float32))
-    assert (traces, c.n) == (1, 1)
+    assert (traces.n, c.n) == (1, 1)
     assert _stats(f) == {"b_cache": (3 * T - 1, 1)}
 
 
@@ -727,13 +726,12 @@ def test_a_carry_whose_type_changes_gets_lax_scans_error():
 def test_a_body_that_traces_differently_in_the_loop_loses_its_pin():
     # The probe and the first step see a body that leaves the slot alone; the loop's
     # trace (the third) invalidates it at step 3. The loop is traced again unpinned.
-    traces = 0
+    traces = Traces()
 
     def run(scan, f, xs):
         def body(f, x):
-            nonlocal traces
-            traces += 1
-            if traces >= 3:
+            traces.tick()
+            if traces.n >= 3:
                 f = memox.invalidate(f, Foo.b, when=x == 3)
             b, f = memox.call(f, Foo.b)
             return f, b * x
@@ -743,7 +741,7 @@ def test_a_body_that_traces_differently_in_the_loop_loses_its_pin():
     xs = jnp.arange(T, dtype=jnp.float32)
     c = Counter()
     f, ys = jax.jit(lambda f: run(memox.scan, f, xs))(memox.init(foo(c)))
-    assert traces == 4  # probe, first step, loop (pinned, discarded), loop
+    assert traces.n == 4  # probe, first step, loop (pinned, discarded), loop
     assert c.n == 2  # step 0 and step 3
     assert _stats(f) == {"b_cache": (T - 2, 2)}
     np.testing.assert_allclose(ys, np.asarray(f.a).sum() * np.asarray(xs))

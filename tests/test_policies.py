@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, Traces
 
 import memox
 from memox import Memo
@@ -106,17 +106,17 @@ def test_invalidate_from_inside_a_scan_on_a_flag():
         x, m = _solve(m, jnp.ones(3))
         return m, x
 
-    traces = []
+    traces = Traces()
 
     @jax.jit
     def run(m, flags):
-        traces.append(None)
+        traces.tick()
         return jax.lax.scan(body, m, flags)
 
     m, _ = run(m, flags)
     assert c.n == 1 + int(flags.sum())
     m, _ = run(m, jnp.zeros(7, jnp.bool_))
-    assert c.n == 1 + int(flags.sum()) and len(traces) == 1
+    assert c.n == 1 + int(flags.sum()) and traces.n == 1
 
 
 def test_invalidate_other_method_leaves_slot_alone():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, foo, hits_and_misses
+from helpers import Counter, Foo, Traces, foo, hits_and_misses
 from jax import lax
 
 import memox
@@ -88,12 +88,11 @@ def test_eager_fori_loop_and_while_loop():
 @pytest.mark.parametrize("kind", ["scan", "fori_loop", "while_loop"])
 def test_module_as_carry_fills_once_and_propagates(kind):
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     @jax.jit
     def run(f, xs):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return _loop(kind, _body, f, xs)
 
     f = memox.init(foo(c))
@@ -101,7 +100,7 @@ def test_module_as_carry_fills_once_and_propagates(kind):
     for _ in range(2):
         f, total = run(f, xs)
         assert total == np.asarray(f.a).sum() * np.arange(T).sum()
-    assert (traces, c.n) == (1, 1)
+    assert (traces.n, c.n) == (1, 1)
     assert hits_and_misses(f) == (2 * T - 1, 1)
 
 
@@ -300,12 +299,11 @@ def test_jit_of_grad_of_scan(wrt):
     # unmemoized and recomputes (and stores) the value. W.r.t. `xs` only, the
     # dependency is frozen: the cached path stands and computes once per change.
     m, c = _gram()
-    traces = 0
+    traces = Traces()
 
     @eqx.filter_jit
     def grads(m, xs):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return (_grad_w if wrt == "w" else _grad_xs)(m, xs)
 
     g_ref = _grad_plain(wrt, m.w, XS)
@@ -316,7 +314,7 @@ def test_jit_of_grad_of_scan(wrt):
             np.testing.assert_allclose(value, _loss_plain(m.w, XS), rtol=1e-6)
             np.testing.assert_allclose(g.w if wrt == "w" else g, g_ref, rtol=1e-5)
             assert c.n == i * per_call
-    assert traces == 1
+    assert traces.n == 1
     assert hits_and_misses(m_out, "cache") == (T - per_call, per_call)
 
 

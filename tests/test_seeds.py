@@ -30,7 +30,7 @@ so `c.mul = False` afterwards changes nothing.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, Traces, foo
 
 import memox
 
@@ -73,10 +73,10 @@ def test_seed1_jit_of_jit():
 def test_seed2_new_params_same_shapes_do_not_recompile():
     # New parameter values of the same shapes: no retrace, but a recomputation.
     c = Counter()
-    traces = []
+    traces = Traces()
 
     def step(f, x):
-        traces.append(None)
+        traces.tick()
         return f.b() + x
 
     step = memox.jit(step)
@@ -84,7 +84,7 @@ def test_seed2_new_params_same_shapes_do_not_recompile():
     f2 = eqx.tree_at(lambda t: t.a, f1, f1.a + 1)
     y1, _ = step(f1, jnp.float32(0))
     y2, _ = step(f2, jnp.float32(0))
-    assert len(traces) == 1 and c.n == 2
+    assert traces.n == 1 and c.n == 2
     assert y2 == y1 + 9
 
 

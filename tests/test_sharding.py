@@ -20,6 +20,7 @@ CHILD = textwrap.dedent(
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from helpers import Traces  # (the child runs in tests/)
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import memox
@@ -169,10 +170,10 @@ CHILD = textwrap.dedent(
             types = lambda m: [str(jax.typeof(l)) for l in jax.tree.leaves(m.cache)]
             meshes = lambda m: [len(l.sharding.device_set) for l in jax.tree.leaves(m.cache)]
             out["types_init"], out["meshes_init"] = types(m), meshes(m)
-            traces = []
+            traces = Traces()
 
             def f(m, x):
-                traces.append(None)
+                traces.tick()
                 return m.normalised() @ x
 
             step, mm = memox.jit(f), m
@@ -181,27 +182,27 @@ CHILD = textwrap.dedent(
             # A new dependency object: the first call's program again, on the slot as
             # filled (a type the fill changed would retrace it).
             y, mm = step(eqx.tree_at(lambda m: m.w, mm, mm.w * 1), x)
-            out["memox_jit_traces"], out["types_after"] = len(traces), types(mm)
+            out["memox_jit_traces"], out["types_after"] = traces.n, types(mm)
             jitted, mm = jax.jit(lambda m, x: memox.call(m, lambda m: f(m, x))), m
-            del traces[:]
+            traces.seen.clear()
             for _ in range(3):
                 y, mm = jitted(mm, x)
-            out["jax_jit_traces"] = len(traces)
+            out["jax_jit_traces"] = traces.n
 
             def body(m, x):
                 y, m = memox.call(m, lambda m: m.normalised() @ x)
                 return m, y
 
             # A method with an argument: `memox.init(module, fn, *args)` allocates it.
-            del traces[:]
-            scaled = memox.jit(lambda m, s: (traces.append(None), m.scaled(s))[1])
+            traces.seen.clear()
+            scaled = memox.jit(lambda m, s: (traces.tick(), m.scaled(s))[1])
             keyed = memox.init(Scaled(w), Scaled.scaled, 2.0)
             out["keyed_types_init"] = [str(jax.typeof(l)) for l in jax.tree.leaves(keyed)]
             for _ in range(3):
                 _, keyed = scaled(keyed, 2.0)
             _, keyed = scaled(eqx.tree_at(lambda m: m.w, keyed, keyed.w * 1), 2.0)
             out["keyed_types_after"] = [str(jax.typeof(l)) for l in jax.tree.leaves(keyed)]
-            out["keyed_traces"] = len(traces)
+            out["keyed_traces"] = traces.n
             mm, ys = jax.lax.scan(body, memox.init(Layer(w)), jnp.stack([x, x, x]))
             counts = memox.stats(mm)["cache"]
             out["scan_counts"] = [int(counts.hits), int(counts.misses)]
@@ -223,10 +224,10 @@ CHILD = textwrap.dedent(
         with jax.set_mesh(mesh):
             w = jax.device_put(W[:16, :16], NamedSharding(mesh, P("x", None)))
             x = jax.device_put(X[:16], NamedSharding(mesh, P()))
-            traces = []
+            traces = Traces()
 
             def f(m, x):
-                traces.append(None)
+                traces.tick()
                 return m.normalised() @ x
 
             step = memox.jit(f)
@@ -245,7 +246,7 @@ CHILD = textwrap.dedent(
                 restored = ck.restore(path + "/ckpt", target)
             out["orbax_shardings_kept"] = same_shardings(restored, m)
             y2, restored = step(restored, x)
-            out["orbax_traces"] = len(traces)
+            out["orbax_traces"] = traces.n
             out["orbax_counts"] = [int(memox.stats(restored)["cache"].hits),
                                    int(memox.stats(restored)["cache"].misses)]
             out["orbax_same"] = bool(np.array_equal(np.asarray(y2), np.asarray(y)))
@@ -261,7 +262,7 @@ CHILD = textwrap.dedent(
             kept = eqx.tree_deserialise_leaves(path + "/m.eqx", like, filter_spec=keep_sharding)
             out["eqx_shardings_kept"] = same_shardings(kept, m)
             y3, kept = step(kept, x)
-            out["eqx_traces"] = len(traces)
+            out["eqx_traces"] = traces.n
             out["eqx_counts"] = [int(memox.stats(kept)["cache"].hits),
                                  int(memox.stats(kept)["cache"].misses)]
         return out

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, Traces
 
 import memox
 from memox import Memo
@@ -52,17 +52,17 @@ def test_lru_hits_and_evictions():
 
 def test_table_under_jit_traces_once():
     c = Counter()
-    traces = []
+    traces = Traces()
 
     def fn(m, p):
-        traces.append(None)
+        traces.tick()
         return m.response(p)
 
     step = memox.jit(fn)
     m = memox.init(Plant(jnp.arange(4.0), c), Plant.response, POINTS["a"])
     for name in "abcabdc":
         _, m = step(m, POINTS[name])
-    assert c.n == 5 and len(traces) == 1
+    assert c.n == 5 and traces.n == 1
 
 
 def test_table_inside_scan():

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, call_b_times, foo, hits_and_misses
+from helpers import Counter, Foo, Traces, call_b_times, foo, hits_and_misses
 from jax import lax
 
 import memox
@@ -31,12 +31,11 @@ def _plain(index, a, x):
 @pytest.mark.parametrize("op", ["cond", "switch"])
 def test_taken_branch_fill_propagates(op):
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     @jax.jit
     def run(index, m, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         if op == "cond":  # index 0 or 1
             return lax.cond(index == 1, call_b_times, _skip, m, x)
         return lax.switch(index, BRANCHES, m, x)
@@ -49,7 +48,7 @@ def test_taken_branch_fill_propagates(op):
         assert y == _plain(index, f.a, 3.0)
         if i == 0:  # the untaken branch filled nothing
             assert hits_and_misses(f) == (0, 0)
-    assert traces == 1 and c.n == 1
+    assert traces.n == 1 and c.n == 1
     n_calls = sum(index != 0 for index in indices)
     assert hits_and_misses(f) == (n_calls - 1, 1)
     # The fill reached the caller: an eager call hits.

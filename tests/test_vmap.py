@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, call_b_times, foo, hits_and_misses, primitives
+from helpers import Counter, Foo, Traces, call_b_times, foo, hits_and_misses, primitives
 
 import memox
 from memox import Memo
@@ -35,11 +35,10 @@ def _vmap(kind, fn, in_axes, out_axes):
 @pytest.mark.parametrize("kind", ["jax.vmap", "eqx.filter_vmap"])
 def test_around_call_unbatched_dependencies_is_a_real_branch(kind):
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     def fn(f, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return call_b_times(f, x)
 
     run = _vmap(kind, fn, in_axes=(None, 0), out_axes=(0, None))
@@ -49,7 +48,7 @@ def test_around_call_unbatched_dependencies_is_a_real_branch(kind):
     for _ in range(3):
         ys, f = step(f, xs)
         np.testing.assert_array_equal(ys, np.asarray(f.a).sum() * np.arange(3.0))
-    assert (traces, c.n) == (1, 1)
+    assert (traces.n, c.n) == (1, 1)
     assert hits_and_misses(f) == (2, 1)  # one (unbatched) check per batch
     assert _method_runs_in_a_cond(run, f, xs)
 
@@ -73,11 +72,10 @@ def test_around_call_batched_dependencies_one_slot_per_element(kind):
     # computes and stores on every call (once per batch: `jax.debug.callback` is not
     # unrolled), counts misses per element, and says so; the values are exact.
     c = Counter()
-    traces = 0
+    traces = Traces()
 
     def fn(f, x):
-        nonlocal traces
-        traces += 1
+        traces.tick()
         return call_b_times(f, x)
 
     stacked = eqx.filter_vmap(memox.init)(Foo(jnp.arange(18.0).reshape(2, 3, 3), c))
@@ -92,7 +90,7 @@ def test_around_call_batched_dependencies_one_slot_per_element(kind):
         expected = np.asarray(stacked.a).sum(axis=(1, 2)) * np.arange(1.0, 3.0)
         np.testing.assert_array_equal(ys, expected)
         assert c.n == i
-    assert traces == 1
+    assert traces.n == 1
     hits, misses = hits_and_misses(stacked)
     assert hits.tolist() == [0, 0] and misses.tolist() == [3, 3]
     with pytest.warns(memox.UncachedWarning, match="batched"):
