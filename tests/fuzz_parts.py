@@ -50,13 +50,15 @@ BATCHED = "runs under `jax.vmap` with batched dependencies or arguments"
 
 @contextlib.contextmanager
 def batched_warnings_allowed():
-    """Accept memox's batched-predicate `UncachedWarning`; re-raise any other warning."""
+    """Accept memox's batched-predicate `UncachedWarning`; re-raise any other warning,
+    naming where it was issued (re-raised here, the traceback no longer shows it)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
     for w in caught:
         if not (issubclass(w.category, memox.UncachedWarning) and BATCHED in str(w.message)):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            issued = f"{w.message} [issued at {w.filename}:{w.lineno}]"
+            warnings.warn_explicit(issued, w.category, w.filename, w.lineno)
 
 
 # -- 1. configuration toggles: what `jax.jit` keys on --------------------------------------
