@@ -235,7 +235,7 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
         if concrete is not None and getattr(concrete, "abstract_mesh", None) == mesh:
             mesh = concrete
             break
-    if not isinstance(mesh, jax.sharding.Mesh) and not _jax_internals.transforming():
+    if not isinstance(mesh, Mesh) and not _jax_internals.transforming():
         raise ValueError(_errors.MESH_NOT_FOUND.format(axes=tuple(mesh.axis_names)))
     want = NamedSharding(mesh, want.spec)
     replicated = NamedSharding(mesh, PartitionSpec())

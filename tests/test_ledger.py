@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import PLACEMENTS, Counter, call_in
 
 import memox
 from memox import Memo
@@ -162,17 +162,6 @@ class Held(eqx.Module):
         return 2.0 * self.w
 
 
-PLACEMENTS = ["eager", "memox.jit", "jax.jit"]
-
-
-def _run(placement, module, fn):
-    if placement == "eager":
-        return memox.call(module, fn)
-    if placement == "memox.jit":
-        return memox.jit(fn)(module)
-    return jax.jit(lambda m: memox.call(m, fn))(module)
-
-
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize(
     "refresh", [lambda m: memox.invalidate(m, Held.q), memox.clear], ids=["invalidate", "clear"]
@@ -181,15 +170,15 @@ def test_invalidate_and_clear_inside_fn_take_effect(placement, refresh):
     # Regression: inside `fn` they were ignored; with `Manual` the old value came back.
     counter = Counter()
     module = memox.init(Held(jnp.ones(2), counter))
-    _, module = _run(placement, module, Held.q)
+    _, module = call_in(placement, module, Held.q)
     moved = eqx.tree_at(lambda m: m.w, module, 3 * jnp.ones(2))  # Manual: still a hit
-    value, moved = _run(placement, moved, Held.q)
+    value, moved = call_in(placement, moved, Held.q)
     jax.effects_barrier()
     assert counter.n == 1 and np.allclose(value, 2.0)
-    value, moved = _run(placement, moved, lambda m: refresh(m).q())
+    value, moved = call_in(placement, moved, lambda m: refresh(m).q())
     jax.effects_barrier()
     assert counter.n == 2 and np.allclose(value, 6.0)
-    value, moved = _run(placement, moved, Held.q)  # the refreshed value reached the caller
+    value, moved = call_in(placement, moved, Held.q)  # the refreshed value reached the caller
     jax.effects_barrier()
     assert counter.n == 2 and np.allclose(value, 6.0)
 
