@@ -125,13 +125,99 @@ def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> A
     if fn is _SENTINEL:
         return functools.partial(jit, donate=donate)
     check_fn("jit", fn)
-    # Which input arrays cached methods fingerprinted (learned from the traces), and
-    # their fingerprints per call, computed outside (`_prehash.py`).
-    inputs = _prehash.Inputs()
-    # Which slots hit, known before a call (`_prehash.Hits`).
-    decided = _prehash.Hits()
+    return _Jit(fn, donate)
 
-    def slots_only(
+
+class _Jit:
+    """The compiled function: takes a call apart on the host, runs `_Body` under
+    `jax.jit`, and puts the returned slots into the caller's module."""
+
+    def __init__(self, fn: Callable, donate: bool):
+        self.fn = fn
+        self.donate = donate
+        # Which input arrays cached methods fingerprinted (learned from the traces), and
+        # their fingerprints per call, computed outside (`_prehash.py`).
+        self._inputs = _prehash.Inputs()
+        # Which slots hit, known before a call (`_prehash.Hits`).
+        self._hits = _prehash.Hits()
+        # A module passed again with its slots empty, as by a caller that does not thread
+        # the returned module: the slots the last call on it returned, not a new
+        # allocation (which also recomputes what they hold).
+        self._latest = ByIdentity()
+        body = _Body(fn, donate, self._inputs)
+        donated = (3,) if donate else ()
+        self._compiled = jax.jit(body, static_argnums=(0, 1), donate_argnums=donated)
+        functools.update_wrapper(self, fn)
+
+    def _prepared(self, module: Any, args: tuple, kwargs: dict, donating: bool) -> tuple:
+        """A call taken apart: the split, the module it was given where its slots had to
+        be allocated or revived, the entries passed apart, and the arguments of the
+        compiled function (with the hits decided on the host)."""
+        split = Signature.split(module, args, kwargs, donating)
+        if jtu.treedef_is_leaf(split.signature.module):
+            check_module("jit", module)
+        given = None
+        if not split.ready:  # rare: allocate, or revive
+            given, module = module, self._latest.get(module) or allocated(module)
+            split = Signature.split(module, args, kwargs, donating)
+        hits, indices = self._hits.decide(split.signature, split.flat())
+        slot_leaves, kept = split.parted(hits)
+        if donating:
+            slot_leaves = split.donated(slot_leaves)
+        table = self._inputs.table(split.arrays)
+        call = (split.signature, hits, split.arrays, slot_leaves, kept, table, indices)
+        return split, given, kept, call
+
+    def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
+        try:
+            dynamic, static_out, new_slots, held_indices = self._compiled(*call)
+        except BaseException:  # (a failure after the donation: the nodes get empty slots)
+            split.hand_over_empty()
+            raise
+        self._inputs.register(split.arrays)
+        result, vouched, kept_at = static_out.value
+        for k, n in kept_at:
+            new_slots[k] = with_entries(new_slots[k], kept[n])
+        vouched = [
+            (h, entry_leaves(new_slots[k]), i)
+            for (h, k), i in zip(vouched, held_indices)
+            if k in new_slots  # (a vouched slot was written, so it is returned)
+        ]
+        self._hits.learn(split.signature, vouched, split.flat())
+        new_module = split.put(new_slots)
+        split.hand_over(new_slots)
+        if given is not None:
+            self._latest.put(given, new_module)
+        return eqx.combine(dynamic, result), new_module
+
+    def lower(self, module: Any, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The program that a call on these arguments would run now, lowered (JAX's
+        `Lowered`, as `jax.jit(...).lower` gives): with the hits it would decide on the
+        host."""
+        return self._compiled.lower(*self._prepared(module, args, kwargs, False)[3])
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+
+class _Body:
+    """What `jax.jit` compiles: `memox.call` on the rebuilt arguments, returning the
+    result's arrays, the slots, and (static) the rest of the result and what the host
+    needs to decide the next call's hits."""
+
+    def __init__(self, fn: Callable, donate: bool, inputs: _prehash.Inputs):
+        self.fn = fn
+        self.donate = donate
+        self.inputs = inputs
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(
+        self,
         static: Signature,
         hits: tuple,
         arrays: list,
@@ -144,84 +230,36 @@ def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> A
         module, args, kwargs = static.rebuild(arrays, slot_leaves)
         flat = [*arrays, *(x for leaves in slot_leaves for x in leaves)]
         with _prehash.scope(flat, table, hits=dict(zip(hits, indices))) as scope:
-            result, module, frame = run(module, fn, args, kwargs)
-            inputs.learned(scope.used)
+            result, module, frame = run(module, self.fn, args, kwargs)
+            self.inputs.learned(scope.used)
             changed = changed_slots(module, frame)
-            final = [changed.get(path, slot) for path, slot in slots(module).items()]
-            held = scope.held(final)
-        # With donation every allocated slot goes out (an unchanged one aliases its
-        # input); without, only the changed ones: an unchanged slot stays the caller's.
-        new_slots = {
-            k: slot
-            for k, (path, slot) in enumerate(zip(slots(module), final))
-            if (path in changed or donate) and slot.allocated
-        }
-        # Entries a hit decided on the host passed through are not outputs (XLA would
-        # copy them): the wrapper gives back the caller's arrays.
-        kept_by_value = {id(leaves[0]): n for n, leaves in enumerate(kept)}
-        kept_at = {k: kept_by_value.get(id(slot.value)) for k, slot in new_slots.items()}
-        kept_at = {k: n for k, n in kept_at.items() if n is not None}
-        for k in kept_at:
-            new_slots[k] = without_entries(new_slots[k])
+            final = {path: changed.get(path, slot) for path, slot in slots(module).items()}
+            held = scope.held(list(final.values()))
+        new_slots, kept_at = self._returned(final, changed, kept)
         dynamic, static_out = eqx.partition(result, eqx.is_array)
         vouched = tuple((h, k) for h, k, _ in held)
         static_out = _Static((static_out, vouched, tuple(kept_at.items())))
         return dynamic, static_out, new_slots, [i for _, _, i in held]
 
-    compiled = jax.jit(slots_only, static_argnums=(0, 1), donate_argnums=(3,) if donate else ())
+    def _returned(self, final: dict, changed: dict, kept: list) -> tuple[dict, dict]:
+        """The slots the call returns, by position, and where each one whose entries a hit
+        decided on the host passed through finds them in `kept`.
 
-    def prepared(module: Any, args: tuple, kwargs: dict, donating: bool) -> tuple:
-        """A call taken apart: the split, the module it was given where its slots had to
-        be allocated or revived, the hits decided on the host, the entries passed apart,
-        and the arguments of the compiled function."""
-        split = Signature.split(module, args, kwargs, donating)
-        if jtu.treedef_is_leaf(split.signature.module):
-            check_module("jit", module)
-        given = None
-        if not split.ready:  # rare: allocate, or revive
-            given, module = module, latest.get(module) or allocated(module)
-            split = Signature.split(module, args, kwargs, donating)
-        arrays = split.arrays
-        hits, indices = decided.decide(split.signature, split.flat())
-        slot_leaves, kept = split.parted(hits)
-        if donating:
-            slot_leaves = split.donated(slot_leaves)
-        table = inputs.table(arrays)
-        call = (split.signature, hits, arrays, slot_leaves, kept, table, indices)
-        return split, given, kept, call
-
-    @functools.wraps(fn)
-    def wrapped(module: M, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, M]:
-        split, given, kept, call = prepared(module, args, kwargs, donate)
-        try:
-            dynamic, static_out, new_slots, held_indices = compiled(*call)
-        except BaseException:  # (a failure after the donation: the nodes get empty slots)
-            split.hand_over_empty()
-            raise
-        inputs.register(split.arrays)
-        result, vouched, kept_at = static_out.value
-        for k, n in kept_at:
-            new_slots[k] = with_entries(new_slots[k], kept[n])
-        vouched = [
-            (h, entry_leaves(new_slots[k]), i)
-            for (h, k), i in zip(vouched, held_indices)
-            if k in new_slots  # (a vouched slot was written, so it is returned)
-        ]
-        decided.learn(split.signature, vouched, split.flat())
-        new_module = split.put(new_slots)
-        split.hand_over(new_slots)
-        if given is not None:
-            latest.put(given, new_module)
-        return eqx.combine(dynamic, result), new_module
-
-    def lower(module: M, /, *args: P.args, **kwargs: P.kwargs) -> jax.stages.Lowered:
-        """The program that `wrapped(module, *args, **kwargs)` would run now, lowered
-        (as `jax.jit(...).lower`): with the hits it would decide on the host."""
-        return compiled.lower(*prepared(module, args, kwargs, False)[3])
-
-    wrapped.lower = lower  # pyright: ignore[reportAttributeAccessIssue]
-    # A module passed again with its slots empty, as by a caller that does not thread
-    # the returned module: the slots the last call on it returned, not a new allocation
-    # (which also recomputes what they hold).
-    latest = ByIdentity()
-    return wrapped
+        With donation every allocated slot goes out (an unchanged one aliases its input);
+        without, only the changed ones: an unchanged slot stays the caller's. Entries
+        passed through are not outputs (XLA would copy them): the wrapper gives back the
+        caller's arrays."""
+        new_slots = {
+            k: slot
+            for k, (path, slot) in enumerate(final.items())
+            if (path in changed or self.donate) and slot.allocated
+        }
+        kept_by_value = {id(leaves[0]): n for n, leaves in enumerate(kept)}
+        kept_at = {
+            k: kept_by_value[id(slot.value)]
+            for k, slot in new_slots.items()
+            if id(slot.value) in kept_by_value
+        }
+        for k in kept_at:
+            new_slots[k] = without_entries(new_slots[k])
+        return new_slots, kept_at

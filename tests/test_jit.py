@@ -415,3 +415,19 @@ def test_the_decorated_function_keeps_its_name():
         return m.one()
 
     assert (step.__name__, step.__doc__) == ("step", "Doc.")
+
+
+class _Stepping(Two):
+    @memox.jit
+    def step(self, x):
+        return self.one() * x
+
+
+def test_as_a_method_it_receives_its_instance_as_the_module():
+    c = Counter()
+    m = _Stepping(jnp.arange(3.0), c)
+    for i in range(3):
+        y, m = m.step(jnp.float32(i))
+        np.testing.assert_array_equal(y, (jnp.arange(3.0) + 1) * i)
+    assert c.n == 1
+    assert memox.stats(m)["first"] == memox.SlotStats(hits=2, misses=1)
