@@ -141,7 +141,7 @@ def first_call(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
 def programs(name: str) -> int:
     """How many programs variant `name`'s step may compile without retracing: memox's
     wrappers compile a second one once the host knows which slots hit (a read with no
-    check, `memox._prehash.Hits`); anything more is a retrace."""
+    check, `memox._decided.Hits`); anything more is a retrace."""
     return 2 if "memox.jit" in name or "memox.filter_jit" in name else 1
 
 

@@ -14,7 +14,7 @@ collected.
 What is not here is state, not a cache: the per-thread stacks of the call being run
 (`_context`, `_ledger`, `_prehash`), the arrays `memox.filter_jit` handed back (it
 guards them against donation), and each wrapper's own record of decided hits (bounded per
-wrapper, `_prehash.Hits`, and gone with the wrapper).
+wrapper, `_decided.Hits`, and gone with the wrapper).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ results, same tree structures, same donation) with two additions:
    what hashing them does).
 2. **Hits decided on the host.** A slot whose entries and the inputs its check reads
    are the very arrays of the previous call hits, known before dispatch
-   (`_prehash.Hits`): the call runs a program (compiled at the second call) that reads
+   (`_decided.Hits`): the call runs a program (compiled at the second call) that reads
    the value with no check and no `lax.cond`, also where `memox.call` runs inside the
    loss under `jax.grad`.
 3. **No copy of what passes through.** An output that is one of the inputs, unchanged
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _prehash
+from . import _decided, _prehash
 from ._fingerprint import is_concrete_array
 from ._lifecycle import allocated_once
 from ._slot import EMPTY, Memo, is_memo
@@ -159,7 +159,7 @@ class _FilterJit(eqx.Module):
     _compiled: Any = eqx.field(static=True, repr=False)  # `eqx.filter_jit`'s wrapper
     _signature: inspect.Signature = eqx.field(static=True, repr=False)
     _inputs: _prehash.Inputs = eqx.field(static=True, repr=False)
-    _hits: _prehash.Hits = eqx.field(static=True, repr=False)
+    _hits: _decided.Hits = eqx.field(static=True, repr=False)
     _donate: Donate = eqx.field(static=True, repr=False)
 
     @classmethod
@@ -192,7 +192,7 @@ class _FilterJit(eqx.Module):
                 else:
                     dynamic.append(x)
                     static.append(_ARRAY)
-            # Where each slot the host can vouch for leaves the call (`_prehash.Hits`):
+            # Where each slot the host can vouch for leaves the call (`_decided.Hits`):
             # the positions of its entry arrays among the output's leaves.
             at = {id(x): j for j, x in enumerate(leaves)}
             vouched = tuple(
@@ -209,7 +209,7 @@ class _FilterJit(eqx.Module):
         traced.__qualname__ = getattr(fun, "__qualname__", name)
         # The table travels with the first argument: donated with it, and only then.
         compiled = eqx.filter_jit(traced, donate=donate)
-        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, _prehash.Hits(), donate)
+        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, _decided.Hits(), donate)
         return eqx.module_update_wrapper(wrapper)
 
     @property
@@ -320,11 +320,11 @@ class _Call:
 class _Out(eqx.Module):
     """The compiled function's outputs other than its arrays: carried in its tree
     structure (static). `vouched`: the slots whose state after the call the host records
-    (`_prehash.Hits`), with the positions of their entries among the output's leaves."""
+    (`_decided.Hits`), with the positions of their entries among the output's leaves."""
 
     treedef: Any = eqx.field(static=True)
     leaves: tuple[Any, ...] = eqx.field(static=True)
-    vouched: tuple[tuple[_prehash.Held, tuple[int, ...]], ...] = eqx.field(static=True)
+    vouched: tuple[tuple[_decided.Held, tuple[int, ...]], ...] = eqx.field(static=True)
 
 
 def _slots_in(tree: Any) -> list[Memo]:

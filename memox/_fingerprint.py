@@ -77,6 +77,7 @@ import numpy.typing as npt
 from jax import lax
 from jaxtyping import Array, UInt32
 
+from . import _jax_internals
 from ._caches import register
 from ._storage import Bits, as_data, to_bits
 
@@ -264,3 +265,13 @@ known = _Known()
 def is_concrete_array(x: object) -> bool:
     """Whether `x` is an immutable array with a value now (not a tracer, not NumPy)."""
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def across_processes(arrays: Sequence[Any]) -> bool:
+    """Whether a call on `arrays` runs one program over the devices of several processes
+    (an input is not fully addressable). What reaches such a program must be the same in
+    every process, so nothing a process remembers of its own earlier calls (which arrays
+    it saw: `known`, `_prehash.Inputs`, `_decided.Hits`) may change what it passes in."""
+    if _jax_internals.process_count() == 1:
+        return False
+    return any(is_concrete_array(x) and not x.is_fully_addressable for x in arrays)

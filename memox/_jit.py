@@ -11,7 +11,7 @@ unchanged, copies nothing and a miss writes its entry in place; a slot's arrays 
 donated only where nothing the caller holds loses them (`_donation.py`).
 
 **Hits decided on the host.** A slot whose entries and inputs are the very arrays of the
-previous call is known to hit before dispatch (`_prehash.Hits`): the call runs a program
+previous call is known to hit before dispatch (`_decided.Hits`): the call runs a program
 that reads it with no check, its entries passed apart (read, not donated) and given back
 as the caller's arrays.
 
@@ -38,7 +38,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from . import _errors, _prehash
+from . import _decided, _errors, _prehash
 from ._call import changed_slots, check_fn, check_module, run
 from ._lifecycle import ByIdentity, allocated
 from ._partition import Signature, refilled, with_entries, without_entries
@@ -138,8 +138,8 @@ class _Jit:
         # Which input arrays cached methods fingerprinted (learned from the traces), and
         # their fingerprints per call, computed outside (`_prehash.py`).
         self._inputs = _prehash.Inputs()
-        # Which slots hit, known before a call (`_prehash.Hits`).
-        self._hits = _prehash.Hits()
+        # Which slots hit, known before a call (`_decided.Hits`).
+        self._hits = _decided.Hits()
         # A module passed again with its slots empty, as by a caller that does not thread
         # the returned module: the slots the last call on it returned, not a new
         # allocation (which also recomputes what they hold).

@@ -125,7 +125,7 @@ class Memoised:
             # `custom_jvp` (its trace of every array passed was half of an eager hit).
             op = self.op if _jax_internals.transforming() else self.primal
             value, new_slot, new_sub = op(*operands)
-            if claim is not None:  # the host decides the next call (`_prehash.Scope.held`)
+            if claim is not None:  # the host decides the next call (`_decided.Claims.held`)
                 claim.left(new_slot, holding(new_slot, key))
         else:  # the enclosing call checks that this store reaches its outputs
             with markers[0]:

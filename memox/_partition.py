@@ -150,7 +150,7 @@ class _Split:
 
     def flat(self) -> list[Any]:
         """The call's input arrays in one list: the arrays, then the slots' leaves (the
-        positions `_prehash.Hits` and the trace's `Scope` agree on)."""
+        positions `_decided.Hits` and the trace's `Scope` agree on)."""
         return [*self.arrays, *(x for leaves in self.slot_leaves for x in leaves)]
 
     def parted(self, hits: tuple) -> tuple[list[list[Any]], list[list[Any]]]:

@@ -22,6 +22,10 @@ This module is that mechanism, in one place for both wrappers:
   when the row is not valid. A donated, new or mutated input is a new object: its row
   is not valid, and it is hashed. Never stale.
 
+The trace's `Scope` also carries the other thing a wrapper knows outside its program,
+the hits it decided on the host (`_decided.py`): `claim(...)` is how a cached call
+inside the trace reaches them.
+
 **Several processes.** Whatever reaches a compiled program must be the same in every
 process. A program over the devices of several processes (an input array that is not
 fully addressable) gets a table with no valid row, the same zeros in every process: a
@@ -35,7 +39,6 @@ program over this process's devices alone keeps its table.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -46,7 +49,8 @@ import numpy as np
 from jax import lax
 
 from . import _jax_internals
-from ._fingerprint import array_fingerprint, is_concrete_array, known
+from ._decided import Claim, Claims, Held
+from ._fingerprint import across_processes, array_fingerprint, is_concrete_array, known
 from ._slot import Memo
 from ._table import entry_leaves
 
@@ -96,7 +100,7 @@ class Inputs:
                 if all(ref() is arrays[i] for i, ref in checked):
                     return ready
         table = np.zeros((len(arrays), 3), np.uint32)
-        if _across_processes(arrays):
+        if across_processes(arrays):
             return table  # no valid row: the same table in every process
         last, rows = self._last, []
         for i in dependencies:
@@ -139,133 +143,6 @@ class Inputs:
                 self._last[i] = weakref.ref(arrays[i])
 
 
-class _Record(NamedTuple):
-    """A fact about immutable objects, so true for every thread: the slot whose entries
-    are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
-    in a call of static signature `signature` under JAX's configuration `context` (see
-    `Hits`)."""
-
-    signature: Any
-    context: Any
-    held: Held
-    entries: tuple[weakref.ref, ...]
-    reads: tuple[weakref.ref, ...]
-    index: Any  # on the device
-    variants: set  # the hit sets compiled for `signature` (shared by its records)
-
-
-# At most this many programs per signature specialised on hits decided on the host (the
-# program with none decided is one of them): a loop reaches one or two (the first call,
-# then the steady state; one more after a slowly changing part moves).
-MAX_VARIANTS = 4
-
-
-class Hits:
-    """Hits a compiled wrapper decides on the host, before it dispatches a call.
-
-    After a call whose trace claimed a slot (`Scope.claim`, `Scope.held`: every call on
-    it made directly in the wrapped function, deciding from inputs of the wrapper alone,
-    the slot it left reaching the outputs), the slot it returned holds the value for the
-    arrays the decision read, whatever the in-graph check decided: a miss stored it, a
-    hit found it. So where the next call gets that very slot (its entry arrays, by
-    identity) and those very arrays (immutable, by identity), in a call that `jax.jit`
-    would key alike (the same signature, under the same JAX configuration: the trace
-    context, x64, the PRNG flags, ...), its check is a hit, known before dispatch. The
-    wrapper then dispatches a program specialised on that: the slot's value is read from
-    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and its
-    entries pass through (not donated, not copied: the caller's arrays are given back),
-    so the next call finds them again. Anything else (a new batch, an updated
-    parameter, a slot loaded from disk, a `memox.clear`) is a new object and is checked
-    in-graph.
-
-    The hit set is a static argument of the compiled function: at most `MAX_VARIANTS`
-    programs per signature (past that, calls with a new set run the program with none
-    decided). Across processes nothing is decided on the host (`_across_processes`)."""
-
-    def __init__(self) -> None:
-        self._records: tuple[_Record, ...] = ()
-        self._variants: dict[Any, set] = {}
-
-    def decide(self, signature: Any, inputs: Sequence[Any]) -> tuple[tuple, list[Any]]:
-        """The hits known for a call of `signature` on `inputs` (the positions of each
-        slot's entry leaves, sorted; a static argument), and the index of each one's
-        entry (device arrays)."""
-        records = self._records  # one snapshot (another thread may replace it whole)
-        if not records:
-            return (), []
-        hits, indices, compared, same = [], [], None, False
-        context = _jax_internals.jit_context()
-        for record in records:
-            if record.signature is not compared:
-                compared = record.signature
-                same = record.context == context and (
-                    compared is signature or compared == signature
-                )
-            if (
-                same
-                and _is(record.entries, record.held.entries, inputs)
-                and _is(record.reads, record.held.reads, inputs)
-            ):
-                hits.append(record.held.entries)
-                indices.append(record.index)
-        if not hits:
-            return (), []
-        found = tuple(hits)
-        variants = records[0].variants
-        if found not in variants:
-            if len(variants) >= MAX_VARIANTS - 1 or _across_processes(inputs):
-                return (), []
-            variants.add(found)
-        return found, indices
-
-    def learn(
-        self,
-        signature: Any,
-        held: Sequence[tuple[Held, Sequence[Any], Any]],
-        inputs: Sequence[Any],
-    ) -> None:
-        """After a call of `signature` on `inputs`: the slots it vouched for, each with
-        the entry arrays of the slot it returned and the index of the entry."""
-        if not held:  # (nothing to record: no signature to hash on this call's path)
-            self._records = ()
-            return
-        old = self._records
-        if old and (old[0].signature is signature or old[0].signature == signature):
-            variants = old[0].variants
-        else:
-            variants = self._variants.get(signature)
-            if variants is None:
-                if len(self._variants) >= 256:
-                    self._variants.clear()
-                variants = self._variants[signature] = set()
-        records, context = [], _jax_internals.jit_context()
-        for h, entries, index in sorted(held, key=lambda item: item[0].entries):
-            reads = [inputs[i] for i in h.reads]
-            if not all(map(is_concrete_array, [*entries, *reads, index])):
-                continue
-            refs, read_refs = tuple(map(weakref.ref, entries)), tuple(map(weakref.ref, reads))
-            records.append(_Record(signature, context, h, refs, read_refs, index, variants))
-        self._records = tuple(records)
-
-
-def _is(refs: tuple[weakref.ref, ...], positions: tuple[int, ...], inputs: Sequence[Any]) -> bool:
-    for ref, i in zip(refs, positions):
-        if i >= len(inputs) or ref() is not inputs[i]:
-            return False
-    return True
-
-
-def _across_processes(arrays: Sequence[Any]) -> bool:
-    """Whether the call runs one program over the devices of several processes (an input
-    is not fully addressable), where the table must say the same in every process: which
-    arrays a process saw at its previous call is its own history, so no row is valid
-    there, and every dependency is hashed in-graph (a hash of the global value, the same
-    in every process)."""
-    if _jax_internals.process_count() == 1:
-        return False
-    return any(is_concrete_array(x) and not x.is_fully_addressable for x in arrays)
-
-
 # `memox.filter_jit` hashes inputs smaller than this in-graph, without a `lax.cond`: on
 # XLA:CPU a conditional whose untaken branch holds a reduction costs ~5-10 us per
 # execution, about what hashing 256 KiB costs (s10: 1.23x -> 1.19x hand-hoisted).
@@ -273,9 +150,10 @@ PREHASH_MIN_BYTES = 1 << 18
 
 
 class Scope:
-    """The table of one trace of a compiled wrapper, by the ids of its input tracers, and
-    the hits its wrapper decided on the host (`hits`: per slot, by the input positions of
-    its entry leaves, the input tracer holding the index of the entry to read).
+    """The context of one trace of a compiled wrapper: the table, by the ids of its input
+    tracers, and the cached calls the host may decide (`_decided.Claims`, with `hits`:
+    per slot, by the input positions of its entry leaves, the input tracer holding the
+    index of the entry to read).
 
     Holds the input tracers while the trace runs (so that no id is reused), and drops
     them when it ends."""
@@ -294,11 +172,7 @@ class Scope:
         self._table = table
         self._rows = 0 if table is None else table.shape[0]
         self.used: set[int] = set()  # positions whose tracer a check fingerprinted
-        self._hits = dict(hits or {})
-        # Per slot claimed (its entries' positions): the positions each claimed call's
-        # decision read, and the slot and entry index the last one left.
-        self._claims: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        self._left: dict[tuple[int, ...], tuple[Memo, Any]] = {}
+        self._claims = Claims(dict(hits or {}))
 
     def lookup(self, x: Any) -> Any | None:
         i = self._index.get(id(x))
@@ -329,52 +203,15 @@ class Scope:
         positions = self._positions(reads)
         if entries is None or positions is None:
             return None
-        self._claims.setdefault(entries, []).append(positions)
-        return Claim(self, entries, self._hits.get(entries))
+        return self._claims.claim(entries, positions)
 
     def held(self, out: Sequence[Memo]) -> list[tuple[Held, int, Any]]:
-        """The claimed slots the host can vouch for after this call: every call on the
-        slot was claimed with the same reads, and the slot the last one left is in `out`
-        (the slots leaving the call) with the same entry arrays (nothing wrote it after).
-        Per slot: what the host records, its place in `out`, and the index of the entry
-        holding the value (a traced output of the wrapper)."""
-
-        def ids(slot: Memo) -> tuple[int, ...]:  # (a slot written is a new object)
-            return tuple(map(id, entry_leaves(slot)))
-
-        where = {ids(slot): k for k, slot in enumerate(out) if slot.allocated}
-        found = []
-        for entries, calls in self._claims.items():
-            left = self._left.get(entries)
-            if left is None or len(set(calls)) != 1 or ids(left[0]) not in where:
-                continue
-            found.append((Held(entries, calls[0]), where[ids(left[0])], left[1]))
-        return found
+        """`Claims.held`: the claimed slots the host can vouch for after this call."""
+        return self._claims.held(out)
 
     def close(self) -> None:
         self._inputs, self._index, self._table = [], {}, None
-        self._claims, self._left, self._hits = {}, {}, {}
-
-
-class Claim:
-    """A cached call the host can decide (`Scope.claim`). `index`: the traced index of
-    the entry to read where the host decided a hit, else None."""
-
-    def __init__(self, scope: Scope, entries: tuple[int, ...], index: Any):
-        self._scope, self._entries, self.index = scope, entries, index
-
-    def left(self, slot: Memo, index: Any) -> None:
-        """The call left `slot`, whose entry `index` holds its value."""
-        self._scope._left[self._entries] = (slot, index)
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-    """A slot that holds, after a call, the value for what its decision read: the input
-    positions of the slot's entry leaves and of what the decision reads."""
-
-    entries: tuple[int, ...]
-    reads: tuple[int, ...]
+        self._claims = Claims({})
 
 
 _local = threading.local()

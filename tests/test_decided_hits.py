@@ -1,4 +1,4 @@
-"""Hits decided on the host (`_prehash.Hits`): `memox.jit` and `memox.filter_jit`
+"""Hits decided on the host (`_decided.Hits`): `memox.jit` and `memox.filter_jit`
 dispatch, for a slot whose inputs and state are the very arrays of the previous call,
 a program that reads the value with no check. Proven on the program (no `conditional`,
 nothing computed from the frozen dependency) and never stale: every result below is
@@ -14,7 +14,7 @@ from helpers import Counter, Traces
 
 import memox
 from memox import Memo
-from memox._prehash import MAX_VARIANTS
+from memox._decided import MAX_VARIANTS
 
 
 SHAPE = (48, 40)  # the frozen dependency's shape: no other array of the programs has it

@@ -45,7 +45,7 @@ def test_fill_reaches_the_caller_and_traces_once(wrapper):
         y, f = step(f, jnp.float32(i))
         assert y == b * i
     # `memox.jit` compiles a second program once the host knows the slot hits (the
-    # unchanged `f.a`): its read has no check (`_prehash.Hits`).
+    # unchanged `f.a`): its read has no check (`_decided.Hits`).
     programs = 2 if wrapper == "memox.jit" else 1
     assert (traces.n, c.n) == (programs, 1)
     assert hits_and_misses(f) == (3, 1)

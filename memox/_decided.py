@@ -1,0 +1,194 @@
+"""Hits decided on the host: a compiled wrapper that knows, before it dispatches a
+call, that a slot's check will hit, runs a program that reads the slot's value with no
+check (`Hits`).
+
+Inside the trace, `Claims` (held by `_prehash.Scope`, the trace's context) records the
+cached calls the host may decide and what each left; after the call, `Hits.learn`
+records the slots it can vouch for, and `Hits.decide` finds them in the next call.
+Shared by `memox.jit` and `memox.filter_jit`."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from . import _jax_internals
+from ._fingerprint import across_processes, is_concrete_array
+from ._slot import Memo
+from ._table import entry_leaves
+
+
+class _Record(NamedTuple):
+    """A fact about immutable objects, so true for every thread: the slot whose entries
+    are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
+    in a call of static signature `signature` under JAX's configuration `context` (see
+    `Hits`)."""
+
+    signature: Any
+    context: Any
+    held: Held
+    entries: tuple[weakref.ref, ...]
+    reads: tuple[weakref.ref, ...]
+    index: Any  # on the device
+    variants: set  # the hit sets compiled for `signature` (shared by its records)
+
+
+# At most this many programs per signature specialised on hits decided on the host (the
+# program with none decided is one of them): a loop reaches one or two (the first call,
+# then the steady state; one more after a slowly changing part moves).
+MAX_VARIANTS = 4
+
+
+class Hits:
+    """Hits a compiled wrapper decides on the host, before it dispatches a call.
+
+    After a call whose trace claimed a slot (`Claims`, through `_prehash.Scope`: every call on
+    it made directly in the wrapped function, deciding from inputs of the wrapper alone,
+    the slot it left reaching the outputs), the slot it returned holds the value for the
+    arrays the decision read, whatever the in-graph check decided: a miss stored it, a
+    hit found it. So where the next call gets that very slot (its entry arrays, by
+    identity) and those very arrays (immutable, by identity), in a call that `jax.jit`
+    would key alike (the same signature, under the same JAX configuration: the trace
+    context, x64, the PRNG flags, ...), its check is a hit, known before dispatch. The
+    wrapper then dispatches a program specialised on that: the slot's value is read from
+    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and its
+    entries pass through (not donated, not copied: the caller's arrays are given back),
+    so the next call finds them again. Anything else (a new batch, an updated
+    parameter, a slot loaded from disk, a `memox.clear`) is a new object and is checked
+    in-graph.
+
+    The hit set is a static argument of the compiled function: at most `MAX_VARIANTS`
+    programs per signature (past that, calls with a new set run the program with none
+    decided). Across processes nothing is decided on the host (`across_processes`)."""
+
+    def __init__(self) -> None:
+        self._records: tuple[_Record, ...] = ()
+        self._variants: dict[Any, set] = {}
+
+    def decide(self, signature: Any, inputs: Sequence[Any]) -> tuple[tuple, list[Any]]:
+        """The hits known for a call of `signature` on `inputs` (the positions of each
+        slot's entry leaves, sorted; a static argument), and the index of each one's
+        entry (device arrays)."""
+        records = self._records  # one snapshot (another thread may replace it whole)
+        if not records:
+            return (), []
+        hits, indices, compared, same = [], [], None, False
+        context = _jax_internals.jit_context()
+        for record in records:
+            if record.signature is not compared:
+                compared = record.signature
+                same = record.context == context and (
+                    compared is signature or compared == signature
+                )
+            if (
+                same
+                and _is(record.entries, record.held.entries, inputs)
+                and _is(record.reads, record.held.reads, inputs)
+            ):
+                hits.append(record.held.entries)
+                indices.append(record.index)
+        if not hits:
+            return (), []
+        found = tuple(hits)
+        variants = records[0].variants
+        if found not in variants:
+            if len(variants) >= MAX_VARIANTS - 1 or across_processes(inputs):
+                return (), []
+            variants.add(found)
+        return found, indices
+
+    def learn(
+        self,
+        signature: Any,
+        held: Sequence[tuple[Held, Sequence[Any], Any]],
+        inputs: Sequence[Any],
+    ) -> None:
+        """After a call of `signature` on `inputs`: the slots it vouched for, each with
+        the entry arrays of the slot it returned and the index of the entry."""
+        if not held:  # (nothing to record: no signature to hash on this call's path)
+            self._records = ()
+            return
+        old = self._records
+        if old and (old[0].signature is signature or old[0].signature == signature):
+            variants = old[0].variants
+        else:
+            variants = self._variants.get(signature)
+            if variants is None:
+                if len(self._variants) >= 256:
+                    self._variants.clear()
+                variants = self._variants[signature] = set()
+        records, context = [], _jax_internals.jit_context()
+        for h, entries, index in sorted(held, key=lambda item: item[0].entries):
+            reads = [inputs[i] for i in h.reads]
+            if not all(map(is_concrete_array, [*entries, *reads, index])):
+                continue
+            refs, read_refs = tuple(map(weakref.ref, entries)), tuple(map(weakref.ref, reads))
+            records.append(_Record(signature, context, h, refs, read_refs, index, variants))
+        self._records = tuple(records)
+
+
+def _is(refs: tuple[weakref.ref, ...], positions: tuple[int, ...], inputs: Sequence[Any]) -> bool:
+    for ref, i in zip(refs, positions):
+        if i >= len(inputs) or ref() is not inputs[i]:
+            return False
+    return True
+
+
+class Claims:
+    """The cached calls one trace claimed (`_prehash.Scope.claim`), and the hits its
+    wrapper decided on the host (`hits`: per slot, by the input positions of its entry
+    leaves, the input tracer holding the index of the entry to read)."""
+
+    def __init__(self, hits: dict[tuple[int, ...], Any]):
+        self._hits = hits
+        # Per slot claimed (its entries' positions): the positions each claimed call's
+        # decision read, and the slot and entry index the last one left.
+        self._calls: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        self.left: dict[tuple[int, ...], tuple[Memo, Any]] = {}
+
+    def claim(self, entries: tuple[int, ...], reads: tuple[int, ...]) -> Claim:
+        """A call on the slot whose entries are inputs `entries`, deciding from `reads`."""
+        self._calls.setdefault(entries, []).append(reads)
+        return Claim(self, entries, self._hits.get(entries))
+
+    def held(self, out: Sequence[Memo]) -> list[tuple[Held, int, Any]]:
+        """The claimed slots the host can vouch for after this call: every call on the
+        slot was claimed with the same reads, and the slot the last one left is in `out`
+        (the slots leaving the call) with the same entry arrays (nothing wrote it after).
+        Per slot: what the host records, its place in `out`, and the index of the entry
+        holding the value (a traced output of the wrapper)."""
+
+        def ids(slot: Memo) -> tuple[int, ...]:  # (a slot written is a new object)
+            return tuple(map(id, entry_leaves(slot)))
+
+        where = {ids(slot): k for k, slot in enumerate(out) if slot.allocated}
+        found = []
+        for entries, calls in self._calls.items():
+            left = self.left.get(entries)
+            if left is None or len(set(calls)) != 1 or ids(left[0]) not in where:
+                continue
+            found.append((Held(entries, calls[0]), where[ids(left[0])], left[1]))
+        return found
+
+
+class Claim:
+    """A cached call the host can decide (`_prehash.Scope.claim`). `index`: the traced index of
+    the entry to read where the host decided a hit, else None."""
+
+    def __init__(self, claims: Claims, entries: tuple[int, ...], index: Any):
+        self._claims, self._entries, self.index = claims, entries, index
+
+    def left(self, slot: Memo, index: Any) -> None:
+        """The call left `slot`, whose entry `index` holds its value."""
+        self._claims.left[self._entries] = (slot, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A slot that holds, after a call, the value for what its decision read: the input
+    positions of the slot's entry leaves and of what the decision reads."""
+
+    entries: tuple[int, ...]
+    reads: tuple[int, ...]
