@@ -56,6 +56,7 @@ import jax.tree_util as jtu
 from . import _decided, _prehash
 from ._fingerprint import is_concrete_array
 from ._lifecycle import allocated_once
+from ._partition import ARRAY, hashable_combine, hashable_partition
 from ._slot import EMPTY, Memo, is_memo
 from ._table import copied, entry_leaves
 
@@ -191,7 +192,7 @@ class _FilterJit(eqx.Module):
                     static.append(_Input(index[id(x)]))
                 else:
                     dynamic.append(x)
-                    static.append(_ARRAY)
+                    static.append(ARRAY)
             # Where each slot the host can vouch for leaves the call (`_decided.Hits`):
             # the positions of its entry arrays among the output's leaves.
             at = {id(x): j for j, x in enumerate(leaves)}
@@ -241,7 +242,7 @@ class _FilterJit(eqx.Module):
         self._inputs.register(arrays)
         dynamic_ = iter(dynamic)
         leaves = [
-            next(dynamic_) if x is _ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
+            next(dynamic_) if x is ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
             for x in out.leaves
         ]
         vouched = [
@@ -263,9 +264,6 @@ class _FilterJit(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-_ARRAY = object()  # marks a leaf passed as an array
-
-
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """What a call is compiled for (hashable: a static argument): the tree structure of
@@ -273,7 +271,7 @@ class _Call:
     first argument are (donated on their own under `donate="*-except-first"`)."""
 
     treedef: Any
-    leaves: tuple[Any, ...]  # the leaf where static, else `_ARRAY`
+    leaves: tuple[Any, ...]  # the leaf where static, else `ARRAY`
     first: tuple[int, int]  # arrays [start, stop) of the first argument
     n_arrays: int
     empty_slots: bool = dataclasses.field(compare=False)
@@ -281,19 +279,14 @@ class _Call:
     @classmethod
     def split(cls, fun: Any, args: tuple, kwargs: dict, donate: str) -> tuple[_Call, list]:
         leaves, treedef = jtu.tree_flatten((fun, args, kwargs))
-        arrays, statics, empty = [], [], False
-        for x in leaves:
-            if eqx.is_array(x):
-                arrays.append(x)
-                statics.append(_ARRAY)
-            else:
-                empty = empty or x is EMPTY
-                statics.append(x)
+        arrays: list[Any] = []
+        statics = hashable_partition(leaves, arrays)
+        empty = any(x is EMPTY for x in statics)
         first = (0, 0)
         if donate.endswith("except-first") and args:
             start = sum(map(eqx.is_array, jtu.tree_leaves(fun)))
             first = (start, start + sum(map(eqx.is_array, jtu.tree_leaves(args[0]))))
-        return cls(treedef, tuple(statics), first, len(arrays), empty), arrays
+        return cls(treedef, statics, first, len(arrays), empty), arrays
 
     def groups(self, arrays: list) -> tuple[list, list]:
         """The arrays of the first argument (where donated apart), and the others."""
@@ -312,9 +305,7 @@ class _Call:
         return flags
 
     def rebuild(self, arrays: list) -> tuple[Any, tuple, dict]:
-        arrays_ = iter(arrays)
-        leaves = [next(arrays_) if x is _ARRAY else x for x in self.leaves]
-        return jtu.tree_unflatten(self.treedef, leaves)
+        return jtu.tree_unflatten(self.treedef, hashable_combine(self.leaves, iter(arrays)))
 
 
 class _Out(eqx.Module):

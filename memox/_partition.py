@@ -21,7 +21,7 @@ donated), put back inside the trace (`refilled`), and leave the compiled functio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -37,10 +37,32 @@ from ._slot import ENTRY_FIELDS, Memo, is_memo
 from ._table import copied
 
 
-_ARRAY = object()  # marks a leaf passed as an array
+ARRAY = object()  # marks a leaf passed as an array
 # What `eqx.is_array` accepts, inlined (called on every leaf at every call; pinned by
 # `test_partition.py` against `eqx.is_array`).
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+def hashable_partition(leaves: Iterable[Any], arrays: list[Any]) -> tuple[Any, ...]:
+    """The hashable half of `leaves` (as `equinox._compile_utils.hashable_partition`): each
+    leaf where it is not an array, `ARRAY` where it is; the arrays are appended to
+    `arrays`, in order. Every compiled wrapper takes its trees apart with this."""
+    statics = []
+    for x in leaves:
+        if isinstance(x, ARRAY_TYPES):
+            arrays.append(x)
+            statics.append(ARRAY)
+        else:
+            statics.append(x)
+    return tuple(statics)
+
+
+def hashable_combine(statics: Iterable[Any], arrays: Iterator[Any]) -> list[Any]:
+    """The leaves `hashable_partition` took apart, with the next of `arrays` for each
+    `ARRAY`."""
+    return [next(arrays) if x is ARRAY else x for x in statics]
+
+
 _MEMO_TYPES = Cache("memo types", 4096)  # type -> whether it is a `Memo`
 
 
@@ -200,9 +222,9 @@ class Signature:
     allocated slots' leaves, one list per slot."""
 
     module: Any  # treedef of the module
-    module_leaves: tuple[Any, ...]  # the leaf where static, else `_ARRAY` or a `_SlotLeaf`
+    module_leaves: tuple[Any, ...]  # the leaf where static, else `ARRAY` or a `_SlotLeaf`
     arguments: Any  # treedef of `(args, kwargs)`
-    argument_leaves: tuple[Any, ...]  # the leaf where static; `_ARRAY`
+    argument_leaves: tuple[Any, ...]  # the leaf where static; `ARRAY`
 
     @classmethod
     def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
@@ -241,7 +263,7 @@ class Signature:
         for i, x in enumerate(leaves):
             if not in_slot[i] and isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
-                statics[i] = _ARRAY
+                statics[i] = ARRAY
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
 
         def put(new_slots: dict[int, Memo]) -> Any:
@@ -288,7 +310,7 @@ class Signature:
                 memos.append(i)
             elif isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
-                statics.append(_ARRAY)
+                statics.append(ARRAY)
             else:
                 statics.append(x)
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
@@ -304,21 +326,14 @@ class Signature:
     @staticmethod
     def _arguments(args: tuple, kwargs: dict, arrays: list[Any]) -> tuple[tuple, Any]:
         arg_leaves, arg_treedef = jtu.tree_flatten((args, kwargs))
-        statics = []
-        for x in arg_leaves:
-            if isinstance(x, ARRAY_TYPES):
-                arrays.append(x)
-                statics.append(_ARRAY)
-            else:
-                statics.append(x)
-        return tuple(statics), arg_treedef
+        return hashable_partition(arg_leaves, arrays), arg_treedef
 
     def rebuild(self, arrays: list[Any], slot_leaves: list[list[Any]]) -> tuple[Any, tuple, dict]:
         arrays_ = iter(arrays)
         rebuilt: dict[int, Any] = {}
         leaves = []
         for x in self.module_leaves:
-            if x is _ARRAY:
+            if x is ARRAY:
                 leaves.append(next(arrays_))
             elif isinstance(x, _SlotLeaf):
                 leaves.append(slot_leaves[x.index][x.j])
@@ -328,7 +343,7 @@ class Signature:
                 leaves.append(rebuilt[x.index])
             else:
                 leaves.append(x)
-        arg_leaves = [next(arrays_) if x is _ARRAY else x for x in self.argument_leaves]
+        arg_leaves = hashable_combine(self.argument_leaves, arrays_)
         args, kwargs = jtu.tree_unflatten(self.arguments, arg_leaves)
         return jtu.tree_unflatten(self.module, leaves), args, kwargs
 

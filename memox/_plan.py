@@ -14,7 +14,6 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -23,6 +22,7 @@ from . import _context, _errors, _jax_internals
 from ._caches import Cache
 from ._jax_internals import trace_context
 from ._key import StaticKey, explicit_sharding, signature, static_key
+from ._partition import ARRAY, hashable_combine, hashable_partition
 from ._policy import Policy
 from ._sites import Path, path_name
 from ._slot import Memo, is_memo
@@ -52,13 +52,14 @@ class Method:
 @dataclasses.dataclass(frozen=True)
 class Parts:
     """The skeleton of a module or argument pytree: its structure and its non-array
-    leaves. It holds no array (arrays may be tracers, and a skeleton outlives the trace
-    in the closures of the memoised operation): `split` hands the arrays out separately.
-    `tokens` are the exact tokens (`_token.py`) of its nodes' data and of its non-array
-    leaves, made in the same walk."""
+    leaves (`_partition.hashable_partition`, with each slot marked too). It holds no array
+    (arrays may be tracers, and a skeleton outlives the trace in the closures of the
+    memoised operation): `split` hands the arrays out separately. `tokens` are the exact
+    tokens (`_token.py`) of its nodes' data and of its non-array leaves, made in the same
+    walk."""
 
     treedef: Any
-    statics: tuple[Any, ...]  # the leaf itself where static, else None
+    statics: tuple[Any, ...]  # the leaf itself where static, else `ARRAY` or `_SLOT`
     kinds: str  # "a" (array), "m" (memo) or "s" (static), per leaf
     tokens: tuple[Any, ...]
 
@@ -75,24 +76,23 @@ class Parts:
             return False
 
         leaves, treedef = jtu.tree_flatten(tree, is_leaf=visit)
-        kinds = "".join("m" if is_memo(x) else "a" if eqx.is_array(x) else "s" for x in leaves)
-        statics = tuple(x if k == "s" else None for x, k in zip(leaves, kinds))
-        arrays = [x for x, k in zip(leaves, kinds) if k == "a"]
-        static_tokens = tuple(token(x) for x, k in zip(leaves, kinds) if k == "s")
+        arrays: list[Any] = []
+        statics = hashable_partition([_SLOT if is_memo(x) else x for x in leaves], arrays)
+        kinds = "".join("a" if x is ARRAY else "m" if x is _SLOT else "s" for x in statics)
+        static_tokens = tuple(token(x) for x, k in zip(statics, kinds) if k == "s")
         return cls(treedef, statics, kinds, (tuple(node_tokens), static_tokens)), arrays
 
     def rebuild(self, arrays: Sequence[Any], slots: Sequence[Any] | None = None) -> Any:
         """The tree with these arrays, and these slots (default: empty ones)."""
-        arrays_, slots_ = iter(arrays), iter(slots or ())
-        out = []
-        for leaf, kind in zip(self.statics, self.kinds):
-            if kind == "a":
-                out.append(next(arrays_))
-            elif kind == "m":
-                out.append(next(slots_) if slots is not None else Memo())
-            else:
-                out.append(leaf)
-        return jtu.tree_unflatten(self.treedef, out)
+        slots_ = iter(slots) if slots is not None else None
+        leaves = [
+            (Memo() if slots_ is None else next(slots_)) if x is _SLOT else x
+            for x in hashable_combine(self.statics, iter(arrays))
+        ]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+_SLOT = object()  # marks a slot in `Parts.statics`
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
