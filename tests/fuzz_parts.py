@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import operator
 import struct
+import threading
+import traceback
 import warnings
 import zlib
 
@@ -51,14 +53,23 @@ BATCHED = "runs under `jax.vmap` with batched dependencies or arguments"
 @contextlib.contextmanager
 def batched_warnings_allowed():
     """Accept memox's batched-predicate `UncachedWarning`; re-raise any other warning,
-    naming where it was issued (re-raised here, the traceback no longer shows it)."""
-    with warnings.catch_warnings(record=True) as caught:
+    with the thread and the stack that issued it (re-raised here, the traceback no
+    longer shows them)."""
+    origins = []
+
+    def issued(message, category, filename, lineno, file=None, line=None):
+        where = "".join(traceback.format_stack(limit=16)[:-1])
+        thread = threading.current_thread().name
+        origins.append((message, category, filename, lineno, thread, where))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = issued  # called in the issuing thread (restored on exit)
         yield
-    for w in caught:
-        if not (issubclass(w.category, memox.UncachedWarning) and BATCHED in str(w.message)):
-            issued = f"{w.message} [issued at {w.filename}:{w.lineno}]"
-            warnings.warn_explicit(issued, w.category, w.filename, w.lineno)
+    for message, category, filename, lineno, thread, where in origins:
+        if not (issubclass(category, memox.UncachedWarning) and BATCHED in str(message)):
+            detail = f"{message} [issued in thread {thread!r} at:\n{where}]"
+            warnings.warn_explicit(detail, category, filename, lineno)
 
 
 # -- 1. configuration toggles: what `jax.jit` keys on --------------------------------------
