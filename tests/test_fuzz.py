@@ -367,10 +367,11 @@ def _replace(model, **changes):
 
 def _stack(models):
     """The models stacked leaf by leaf, each leaf of one type in every model (checked,
-    naming the leaf), with no dtype promotion. (`jnp.stack` promoted: twice in ~20 000
-    sequences on jax 0.12, a trace of this function under x64 off promoted weakly typed
-    leaves to float64 and JAX warned from here; no replay reproduced it. Now a leaf
-    whose types differ fails, named.)"""
+    naming the leaf), with `lax` (no dtype promotion). `jnp.stack` under this suite's
+    `strict` promotion and x64 makes two weakly typed float32 scalars one weakly typed
+    float64 (JAX's rule): the batched op inside an x64 configuration then left a 64-bit
+    `s` in the model, which later ops outside x64 met (a warning, or a promotion error);
+    found twice in ~20 000 sequences, located by `_no_wide_float_outside_x64`."""
 
     def stack(path, *xs):
         if not eqx.is_array(xs[0]):
@@ -801,6 +802,19 @@ OPS["config"] = (
 )
 
 
+def _no_wide_float_outside_x64(model, step):
+    """No op leaves a 64-bit float in the model outside x64 mode: ops under x64 make no
+    array that outlives it (a harness that did would test JAX's promotion, not memox)."""
+    if jax.config.jax_enable_x64:
+        return
+    wide = [
+        f"{jax.tree_util.keystr(path)}: {jax.typeof(x)}"
+        for path, x in jax.tree_util.tree_leaves_with_path(model)
+        if eqx.is_array(x) and x.dtype in (np.float64, np.complex128)
+    ]
+    assert not wide, f"after {step!r}, 64-bit floats outside x64: {wide}"
+
+
 def _apply(state, step):
     """Run one op with memox, comparing with the unmemoized result."""
     OPS[step[0]][0](state, *step[1:])
@@ -825,3 +839,4 @@ def test_random_sequences_match_unmemoized(sequence):
     state = State.new()
     for step in sequence:
         _apply(state, step)
+        _no_wide_float_outside_x64(state.model, step)
