@@ -133,7 +133,6 @@ class _Jit:
     `jax.jit`, and puts the returned slots into the caller's module."""
 
     def __init__(self, fn: Callable, donate: bool):
-        self.fn = fn
         self.donate = donate
         # Which input arrays cached methods fingerprinted (learned from the traces), and
         # their fingerprints per call, computed outside (`_prehash.py`).
@@ -147,7 +146,9 @@ class _Jit:
         body = _Body(fn, donate, self._inputs)
         donated = (3,) if donate else ()
         self._compiled = jax.jit(body, static_argnums=(0, 1), donate_argnums=donated)
-        functools.update_wrapper(self, fn)
+        # Name, docstring and `__wrapped__`; not `fn.__dict__` (a callable's own fields,
+        # such as `donate` or `lower`, would replace the wrapper's).
+        functools.update_wrapper(self, fn, updated=())
 
     def _prepared(self, module: Any, args: tuple, kwargs: dict, donating: bool) -> tuple:
         """A call taken apart: the split, the module it was given where its slots had to

@@ -431,3 +431,19 @@ def test_as_a_method_it_receives_its_instance_as_the_module():
         np.testing.assert_array_equal(y, (jnp.arange(3.0) + 1) * i)
     assert c.n == 1
     assert memox.stats(m)["first"] == memox.SlotStats(hits=2, misses=1)
+
+
+class _Named(eqx.Module):
+    donate: bool = True
+    lower: int = 0
+
+    def __call__(self, m, x):
+        return m.one() * x
+
+
+def test_a_callable_s_own_fields_do_not_replace_the_wrappers():
+    # A callable module whose fields share names with the wrapper's attributes.
+    step = memox.jit(_Named(), donate=False)
+    assert callable(step.lower)  # pyright: ignore[reportAttributeAccessIssue]
+    assert _donated(step) is False
+    assert _donated(memox.jit(_Named(donate=False))) is True
