@@ -5,8 +5,10 @@ node holds after.
 hit, whose table passes through unchanged, copies nothing and a miss writes its entry in
 place. A donated array is deleted, so the rule is: a slot's arrays are donated only
 where the slot (the `Memo` node in the module passed in) is the one object that holds
-them (`held_once`), and after the call that node is given the returned slot's arrays
-(`hand_over`). Every object that reaches the module passed in (an early-stopping
+them (`shared`), and after the call that node is given the returned slot's arrays
+(`hand_over`). The entries of a hit decided on the host are passed apart, not donated:
+whoever else holds them (a module the caller kept, which a hit's entries reach at every
+later call) costs no copy. Every object that reaches the module passed in (an early-stopping
 `best = model`, the caller's own variable) therefore still holds readable arrays: the
 slot as the call left it (valid by the key rule, so a later call on it hits where its
 parameters match), and its parameters never crossed the boundary. Where anything else
@@ -49,15 +51,14 @@ def _calibrated() -> int:
 _HELD_ONCE = _calibrated()
 
 
-def held_once(leaves: list, a: int, b: int) -> bool:
-    """Whether the concrete arrays `leaves[a:b]` (one slot's) are each held by one object
-    besides `leaves` (the node they were flattened from) and by nothing else."""
-    if not is_concrete_array(leaves[a]):  # (a slot is concrete or traced as a whole)
-        return False
-    for j in range(a, b):
-        if _references(leaves, j) != _HELD_ONCE:
-            return False
-    return True
+def shared(leaves: list, a: int, b: int) -> frozenset[int] | None:
+    """Which of the concrete arrays `leaves[a:b]` (one slot's) something holds besides
+    `leaves` and the node they were flattened from, by position in the slot (empty:
+    the node alone holds them); None where they are traced (a slot is concrete or traced
+    as a whole), never donated."""
+    if not is_concrete_array(leaves[a]):
+        return None
+    return frozenset(j - a for j in range(a, b) if _references(leaves, j) != _HELD_ONCE)
 
 
 _SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))

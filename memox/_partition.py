@@ -30,7 +30,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._caches import Cache
-from ._donation import hand_over, held_once
+from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
 from ._sites import Path, child, replace_slots
 from ._slot import ENTRY_FIELDS, Memo, is_memo
@@ -159,8 +159,9 @@ class _Split:
     """A call taken apart: the signature, the arrays, the slots' leaves (one list per
     slot), a function putting new slots (by index in flattening order) into the module,
     whether every slot is ready (needs neither allocation nor revival), and, with
-    donation, the slots to hand over: per list of leaves, the `Memo` node that alone
-    holds them (None where something else holds them too), and the index of its slot."""
+    donation, the slots to hand over: per list of leaves, the `Memo` node they were
+    flattened from (None where traced, or without donation), the positions of the
+    leaves something else holds too, and the index of its slot."""
 
     signature: Signature
     arrays: list[Any]
@@ -168,6 +169,7 @@ class _Split:
     put: Callable[[dict[int, Memo]], Any]
     ready: bool
     owners: list[Memo | None]
+    shared: list[frozenset[int]]
     first: list[int]
 
     def flat(self) -> list[Any]:
@@ -191,14 +193,21 @@ class _Split:
         return out, kept
 
     def donated(self, slot_leaves: list[list[Any]]) -> list[list[Any]]:
-        """`slot_leaves` to donate: a copy of those that something else holds (none in
-        the threaded loop; traced ones are not donated: an outer trace's)."""
-        if all(owner is not None for owner in self.owners):
-            return slot_leaves
-        return [
-            leaves if owner is not None or not _concrete(leaves) else copied(leaves)
-            for leaves, owner in zip(slot_leaves, self.owners)
-        ]
+        """`slot_leaves` to donate: a copy of a slot's where something else holds one of
+        the leaves passed (none in the threaded loop; the entries of a hit decided on the
+        host are passed apart, `None` here), its node then not handed over; traced ones
+        are not donated (an outer trace's)."""
+        out = []
+        for i, leaves in enumerate(slot_leaves):
+            owner = self.owners[i]
+            if owner is not None and all(leaves[j] is None for j in self.shared[i]):
+                out.append(leaves)
+            elif owner is None and not _concrete(leaves):
+                out.append(leaves)
+            else:
+                out.append(copied(leaves))
+                self.owners[i] = None
+        return out
 
     def hand_over(self, new_slots: dict[int, Memo]) -> None:
         """Give each donated slot node the slot returned in its place."""
@@ -233,12 +242,13 @@ class Signature:
         if layout is None:
             del leaves  # (it holds the slots' arrays: `_split_nested` counts who does)
             return cls._split_nested(module, args, kwargs, donate)
-        # Before anything else holds them: which slots' arrays their node alone holds.
-        alone = [donate and a >= 0 and held_once(leaves, a, b) for a, b in layout.ranges]
+        # Before anything else holds them: which slots' arrays something else holds too.
+        held = [shared(leaves, a, b) if donate and a >= 0 else None for a, b in layout.ranges]
         statics: list[Any] = leaves[:]
         in_slot = [False] * len(leaves)
         slot_leaves: list[list[Any]] = []
         owners: list[Memo | None] = []
+        shared_leaves: list[frozenset[int]] = []
         first: list[int] = []
         seen: dict[int, int] = {}
         ready = True
@@ -252,9 +262,10 @@ class Signature:
             index = seen.setdefault(id(value), len(slot_leaves))
             if index == len(slot_leaves):
                 slot_leaves.append(leaves[a:b])
-                node = layout.node(module, k) if alone[k] else None
+                node = layout.node(module, k) if held[k] is not None else None
                 owned = is_memo(node) and object.__getattribute__(node, "value") is value
                 owners.append(node if owned else None)
+                shared_leaves.append(held[k] or frozenset())
                 first.append(k)
             for j in range(b - a):
                 statics[a + j] = _slot_leaf(index, j)
@@ -279,7 +290,7 @@ class Signature:
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first)
 
     @classmethod
     def _split_nested(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
@@ -289,6 +300,7 @@ class Signature:
         arrays: list[Any] = []
         slot_leaves: list[list[Any]] = []
         owners: list[Memo | None] = []
+        shared_leaves: list[frozenset[int]] = []
         first: list[int] = []
         seen: dict[int, int] = {}
         statics, memos, ready = [], [], True
@@ -301,10 +313,11 @@ class Signature:
                     continue
                 if id(x) not in seen:
                     one_slot, slot_treedef = jtu.tree_flatten(x)
-                    alone = donate and held_once(one_slot, 0, len(one_slot))
+                    held = shared(one_slot, 0, len(one_slot)) if donate else None
                     seen[id(x)] = len(slot_leaves)
                     slot_leaves.append(one_slot)
-                    owners.append(x if alone else None)
+                    owners.append(x if held is not None else None)
+                    shared_leaves.append(held or frozenset())
                     first.append(len(memos))
                 statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
                 memos.append(i)
@@ -321,7 +334,7 @@ class Signature:
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return _Split(signature, arrays, slot_leaves, put, ready, owners, first)
+        return _Split(signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first)
 
     @staticmethod
     def _arguments(args: tuple, kwargs: dict, arrays: list[Any]) -> tuple[tuple, Any]:

@@ -10,6 +10,8 @@ import pytest
 from helpers import Counter, Foo, foo
 
 import memox
+import memox._partition
+from memox._table import copied
 
 
 def _usable(tree, tmp_path):
@@ -115,3 +117,28 @@ def test_a_hit_in_the_threaded_loop_copies_no_table(extra):
         _, h = step(h, jnp.float32(i))
         assert h.f.b_cache.value.unsafe_buffer_pointer() == pointer
     assert not any(x.is_deleted() for x in jax.tree.leaves(best)) and c.n == 1
+
+
+def test_a_module_kept_costs_one_copy_though_it_shares_the_hits_entries(monkeypatch):
+    # Regression: a hit decided on the host passes its slot's entries through, so a
+    # module kept from an earlier step holds the entries of every later one. Only the
+    # slot's other leaves are donated, yet every later step copied them all (s12, with
+    # the module of the first call kept: 400 copies per call at 100 slots).
+    c = Counter()
+    step = memox.jit(lambda h, x: h.f.b() * x)
+    _, h = step(Holder(jnp.ones(2), foo(c)), jnp.float32(1))
+    _, h = step(h, jnp.float32(1))
+    best = h
+    copies = []
+
+    def counted(leaves):
+        copies.append(len(leaves))
+        return copied(leaves)
+
+    monkeypatch.setattr(memox._partition, "copied", counted)
+    for i in range(4):
+        _, h = step(h, jnp.float32(i))
+    # The step after `best` was kept copies (it shares the counters too), then none.
+    assert len(copies) == 1
+    assert memox.stats(h)["f.b_cache"].hits == 5 and c.n == 1
+    assert not any(x.is_deleted() for x in jax.tree.leaves(best))
