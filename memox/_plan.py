@@ -191,7 +191,7 @@ def _static_key(
     fast = (*fast, args.treedef, args.kinds, args.tokens)
     try:
         found = _KEYS.get(fast)
-    except TypeError:  # a tree structure whose nodes' data Python cannot hash
+    except (TypeError, ValueError):  # nodes' data Python cannot hash or compare (arrays)
         fast, found = None, None
     if found is None:
         found = static_key(

@@ -278,6 +278,21 @@ def test_large_numpy_static_field_is_compared_by_value():
     _same(value, _reference(Table.lookup, changed))
 
 
+def test_numpy_static_fields_of_two_modules_are_keyed_apart():
+    # Regression: a module built again with an equal NumPy array as a static field
+    # raised JAX's "Exception raised while checking equality of metadata fields": the
+    # plan's lookup compared its tree structure with the first one's (a NumPy array's
+    # `==` is no bool).
+    values = []
+    for table in (np.zeros(3), np.zeros(3), np.ones(3)):
+        with pytest.warns(UserWarning, match="being set as static"):
+            module = Table(jnp.ones(2), table)
+        value, module = memox.call(module, Table.lookup)
+        _same(value, _reference(Table.lookup, module))
+        values.append(value)
+    assert [float(v[0]) for v in values] == [0.0, 0.0, 3.0]
+
+
 # -- 4. typed PRNG keys ---------------------------------------------------------------
 
 
