@@ -42,6 +42,8 @@ def check_fn(api: str, fn: Any) -> None:
 
 
 def check_module(api: str, module: Any) -> None:
+    if isinstance(module, eqx.Module):  # (a pytree node: no walk of it needed)
+        return
     if not is_memo(module) and jtu.treedef_is_leaf(jtu.tree_structure(module)):
         raise TypeError(_errors.NOT_A_PYTREE.format(api=api, got=type(module).__name__))
 
@@ -143,13 +145,16 @@ def warn_if_closed_over(module: Any, sites: list[SlotSite]) -> None:
     if not sites:
         return
     allocated = [site.slot for site in sites if site.slot.allocated]
-    arrays = [x for x in jtu.tree_leaves(module) if isinstance(x, jax.Array)]
+
+    def arrays() -> list[jax.Array]:  # (a walk of the whole module: only where needed)
+        return [x for x in jtu.tree_leaves(module) if isinstance(x, jax.Array)]
+
     loop = _jax_internals.loop_closing_over(
-        [x for x in jtu.tree_leaves(allocated) if isinstance(x, jax.Array)] or arrays
+        [x for x in jtu.tree_leaves(allocated) if isinstance(x, jax.Array)] or arrays()
     )
     if loop is not None:
         message = _errors.LOOP_CLOSES_OVER.format(loop=loop)
-    elif len(allocated) < len(sites) and _jax_internals.trace_closing_over(arrays):
+    elif len(allocated) < len(sites) and _jax_internals.trace_closing_over(arrays()):
         message = _errors.TRACE_CLOSES_OVER
     else:
         return

@@ -2,16 +2,16 @@
 how `memox.jit` passes a call to `jax.jit` and puts the returned slots back.
 
 The wrapper flattens its arguments once, without a Python test per node: where the
-slots' leaves lie is worked out once per tree structure (`_Layout`, by rebuilding the
-module with integers for leaves; a module whose nodes refuse that is taken apart node
-by node). The arrays are traced arguments: the module's, then the arguments', then the
-allocated slots' leaves, one list per slot (a slot object found at several paths is
-passed once: a buffer can be donated only once). Everything else (the tree structures,
-static fields and non-array leaves) is one hashable static argument, `Signature`: the
-semantics of `eqx.filter_jit`, without its second partition of the same trees on every
-call. Which slots the call may donate is read while the leaves are flattened, before
-anything else holds them (`_donation.py`). The returned slots are spliced into the
-caller's module (`_Split.put`): every other leaf is the caller's own array.
+slots' leaves lie is worked out once per tree structure (`_sites.layout`; a module
+whose nodes refuse that is taken apart node by node). The arrays are traced
+arguments: the module's, then the arguments', then the allocated slots' leaves, one
+list per slot (a slot object found at several paths is passed once: a buffer can be
+donated only once). Everything else (the tree structures, static fields and
+non-array leaves) is one hashable static argument, `Signature`: the semantics of
+`eqx.filter_jit`, without its second partition of the same trees on every call. Which
+slots the call may donate is read while the leaves are flattened, before anything
+else holds them (`_donation.py`). The returned slots are spliced into the caller's
+module (`_Split.put`): every other leaf is the caller's own array.
 
 The entries of a slot whose hit was decided on the host are passed apart (read, not
 donated), put back inside the trace (`refilled`), and leave the compiled function as
@@ -32,7 +32,7 @@ import numpy as np
 from ._caches import Cache
 from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
-from ._sites import Path, child, replace_slots
+from ._sites import layout as layout_of, replace_slots
 from ._slot import ENTRY_FIELDS, Memo, is_memo
 from ._table import copied
 
@@ -102,51 +102,6 @@ def _slot_leaf(index: int, j: int) -> _SlotLeaf:
     if found is None:
         found = _SLOT_LEAVES.put((index, j), _SlotLeaf(index, j))
     return found
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where the slots are in a module of one tree structure, in flattening order: the
-    range of leaves of each (`(-1, -1)` where it has none), and its path."""
-
-    ranges: tuple[tuple[int, int], ...]
-    paths: tuple[Path, ...]
-
-    def node(self, module: Any, k: int) -> Any:
-        """The `k`-th slot node of `module` (None where its path cannot be followed)."""
-        node = module
-        try:
-            for entry in self.paths[k]:
-                if isinstance(entry, jtu.GetAttrKey):  # a field (`eqx.Module`'s is slower)
-                    node = object.__getattribute__(node, entry.name)
-                else:
-                    node = child(node, entry)
-        except Exception:
-            return None
-        return node
-
-
-_layouts = Cache("layouts", 1024)  # PyTreeDef -> _Layout | None
-
-
-def _layout(treedef: Any) -> _Layout | None:
-    """The layout of a module of structure `treedef` (computed once per structure, by
-    rebuilding the module with integers for leaves; None where its nodes refuse that)."""
-    if treedef in _layouts:
-        return _layouts[treedef]
-    found: _Layout | None
-    try:
-        tree = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
-        ranges, paths = [], []
-        for path, x in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
-            if is_memo(x):
-                idx: list[int] = jtu.tree_leaves(x)
-                ranges.append((idx[0], idx[-1] + 1) if idx else (-1, -1))
-                paths.append(path)
-        found = _Layout(tuple(ranges), tuple(paths))
-    except Exception:  # a node that checks its leaves: the general path
-        found = None
-    return _layouts.put(treedef, found)
 
 
 def _concrete(leaves: list[Any]) -> bool:
@@ -238,7 +193,7 @@ class Signature:
     @classmethod
     def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
         leaves, treedef = jtu.tree_flatten(module)
-        layout = _layout(treedef)
+        layout = layout_of(treedef)
         if layout is None:
             del leaves  # (it holds the slots' arrays: `_split_nested` counts who does)
             return cls._split_nested(module, args, kwargs, donate)

@@ -1,17 +1,25 @@
 """Where the slots of a pytree are: every `Memo` found by its path (`slots`), with the
 module that owns it and its field name (`slot_sites`, `SlotSite`), and the pytree with
 some of them replaced (`replace_slots`), by slots or by values `memox.hoist` read ahead.
+
+Where they lie is worked out once per tree structure (`layout`: the module rebuilt with
+integers for leaves, walked with paths once), so that finding the slots of a pytree
+costs one flatten of it and a walk down each slot's path, and replacing them one
+flatten and one unflatten: no Python test on every node at every call. A pytree whose
+nodes refuse integer leaves is walked node by node.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._caches import Cache
 from ._hoist import Hoisted
 from ._slot import Memo, is_memo
 
@@ -29,6 +37,64 @@ def child(node: Any, entry: Any) -> Any:
     if isinstance(entry, jtu.FlattenedIndexKey):
         return jtu.tree_flatten(node, is_leaf=lambda x: x is not node)[0][entry.key]
     raise TypeError(f"memox cannot follow the pytree path entry {entry!r}.")
+
+
+def follow(node: Any, path: Path) -> Any:
+    """The node at `path` below `node`."""
+    for entry in path:
+        if isinstance(entry, jtu.GetAttrKey):  # a field (`eqx.Module`'s lookup is slower)
+            node = object.__getattribute__(node, entry.name)
+        else:
+            node = child(node, entry)
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the slots are in a pytree of one tree structure, in flattening order: the
+    range of leaves of each (`(-1, -1)` where it has none), its path, and the tree
+    structure of the slot itself."""
+
+    ranges: tuple[tuple[int, int], ...]
+    paths: tuple[Path, ...]
+    structures: tuple[Any, ...]
+    index: dict[Path, int]  # path -> position in the fields above
+
+    def node(self, tree: Any, k: int) -> Any:
+        """The `k`-th slot node of `tree` (None where its path cannot be followed)."""
+        try:
+            return follow(tree, self.paths[k])
+        except Exception:
+            return None
+
+
+_layouts = Cache("layouts", 1024)  # PyTreeDef -> Layout | None
+_UNKNOWN: Any = object()
+
+
+def layout(treedef: Any) -> Layout | None:
+    """The layout of a pytree of structure `treedef` (computed once per structure, by
+    rebuilding the pytree with integers for leaves; None where its nodes refuse that)."""
+    try:
+        found: Layout | None = _layouts.get(treedef, _UNKNOWN)  # (one hash of `treedef`)
+    except Exception:  # static fields that cannot be compared (a NumPy array): walked
+        return None
+    if found is not _UNKNOWN:
+        return found
+    try:
+        tree = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
+        ranges, paths, structures = [], [], []
+        for path, x in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
+            if is_memo(x):
+                idx: list[int] = jtu.tree_leaves(x)
+                ranges.append((idx[0], idx[-1] + 1) if idx else (-1, -1))
+                paths.append(path)
+                structures.append(jtu.tree_structure(x))
+        index = {path: k for k, path in enumerate(paths)}
+        found = Layout(tuple(ranges), tuple(paths), tuple(structures), index)
+    except Exception:  # a node that checks its leaves: walked node by node
+        found = None
+    return _layouts.put(treedef, found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +115,36 @@ def slots(tree: PyTree) -> dict[Path, Memo]:
 
 def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
     """Every `Memo` in `tree`, with the object owning it."""
-    for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
-        if not is_memo(leaf):
-            continue
-        owner = tree
-        for entry in path[:-1]:
-            owner = child(owner, entry)
+    found = layout(jtu.tree_structure(tree))
+    located = None if found is None else _located(tree, found)
+    if located is None:
+        items = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]
+        located = [
+            (path, functools.reduce(child, path[:-1], tree), leaf)
+            for path, leaf in items
+            if is_memo(leaf)
+        ]
+    for path, owner, slot in located:
         last = path[-1] if path else None
         # (JAX types `GetAttrKey` as `Any`, so `isinstance` does not rule out `None`.)
         field = last.name if isinstance(last, jtu.GetAttrKey) else None  # pyright: ignore[reportOptionalMemberAccess]
-        yield SlotSite(path, leaf, owner if path else None, field)
+        yield SlotSite(path, slot, owner if path else None, field)
+
+
+def _located(tree: PyTree, found: Layout) -> list[tuple[Path, Any, Memo]] | None:
+    """Each slot of `tree` (of layout `found`) with its owner, found down its path; None
+    where a path cannot be followed to a `Memo` (a node whose keys name no attribute)."""
+    located = []
+    try:
+        for path in found.paths:
+            owner = follow(tree, path[:-1])
+            slot = follow(owner, path[-1:])
+            if not is_memo(slot):
+                return None
+            located.append((path, owner, slot))
+    except Exception:
+        return None
+    return located
 
 
 def replace_slots(
@@ -69,9 +155,33 @@ def replace_slots(
     `new` is empty."""
     if not new and not rebuild:
         return tree
+    leaves, treedef = jtu.tree_flatten(tree)
+    found = layout(treedef)
+    if found is not None and _spliced(leaves, found, new):
+        return jtu.tree_unflatten(treedef, leaves)
     items, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_memo)
     leaves = [new.get(path, leaf) for path, leaf in items]
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def _spliced(leaves: list[Any], found: Layout, new: Mapping[Path, Memo | Hoisted]) -> bool:
+    """Put the leaves of the slots in `new` into `leaves` (of a tree of layout `found`)
+    where each has the structure of the slot it replaces; False, with `leaves` as they
+    were, where one has not (a slot allocated or emptied, a value read ahead) or is no
+    slot's path."""
+    parts = []
+    for path, slot in new.items():
+        k = found.index.get(path)
+        if k is None or not is_memo(slot):
+            return False
+        slot_leaves, structure = jtu.tree_flatten(slot)
+        if structure != found.structures[k]:
+            return False
+        parts.append((found.ranges[k], slot_leaves))
+    for (a, b), slot_leaves in parts:
+        if a >= 0:
+            leaves[a:b] = slot_leaves
+    return True
 
 
 def path_name(path: Path) -> str:
