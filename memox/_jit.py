@@ -19,7 +19,9 @@ Dependencies that are the caller's arrays are fingerprinted outside the compiled
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared
 with `memox.filter_jit`): a hit on an unchanged dependency costs O(1), not a pass over
 its bytes (and no collective for a sharded one). Which inputs are dependencies is
-learned from the first trace.
+learned from the first trace. Inputs under 256 KiB are hashed in-graph, with no
+`lax.cond` (as `memox.filter_jit`: the branch costs about what hashing them does, and
+XLA compiles each conditional apart).
 
 The wrapper flattens its arguments once and calls `jax.jit` directly, with the arrays as
 traced arguments and everything else as one hashable static argument (`_partition.py`).
@@ -230,7 +232,8 @@ class _Body:
         slot_leaves = refilled(len(arrays), hits, slot_leaves, kept)
         module, args, kwargs = static.rebuild(arrays, slot_leaves)
         flat = [*arrays, *(x for leaves in slot_leaves for x in leaves)]
-        with _prehash.scope(flat, table, hits=dict(zip(hits, indices))) as scope:
+        min_bytes = _prehash.PREHASH_MIN_BYTES
+        with _prehash.scope(flat, table, min_bytes, dict(zip(hits, indices))) as scope:
             result, module, frame = run(module, self.fn, args, kwargs)
             self.inputs.learned(scope.used)
             changed = changed_slots(module, frame)
