@@ -108,7 +108,14 @@ GOALS = {
     "median step / hand-hoisted, Manual, memox.filter_jit": Goal(
         "<=", 1.3, _USERS_STEP.format(check="the check of the inputs (a keyed argument)")
     ),
-    "median step / hand-hoisted, memox.jit step": Goal("<=", 1.3),
+    "median step / hand-hoisted, memox.jit step": Goal(
+        "<=",
+        1.3,
+        "the hit decided on the host reads the features from their stored bits: XLA:CPU "
+        "materialises the bit-cast of the feature table before the head's dot (a copy of "
+        "the features every step, in the optimised HLO) and writes the slot's counters; the "
+        "hand-hoisted step takes the features as they are",
+    ),
     "fingerprint / float sum": Goal(">=", 0.25),
 }
 LR = 1e-3

@@ -52,8 +52,8 @@ GOALS = {
         "2.2 ms in dispatch and the program (each slot's value table, index and four "
         "counters in, the four counters out, where the reference passes 200 arrays), "
         "0.4 ms recording the next call's hits and 0.5 ms splicing the slots back "
-        "(2026-11-25, timers around each part of the threaded call); a hit's counters are the slot's "
-        "own arrays, written on the device every call",
+        "(2026-11-25, timers around each part of the threaded call); a hit's counters "
+        "are the slot's own arrays, written on the device every call",
     ),
     "first call memox.jit / eqx.filter_jit, most slots": Goal(
         "<=",
