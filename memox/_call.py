@@ -145,16 +145,16 @@ def warn_if_closed_over(module: Any, sites: list[SlotSite]) -> None:
     if not sites:
         return
     allocated = [site.slot for site in sites if site.slot.allocated]
-
-    def arrays() -> list[jax.Array]:  # (a walk of the whole module: only where needed)
-        return [x for x in jtu.tree_leaves(module) if isinstance(x, jax.Array)]
-
-    loop = _jax_internals.loop_closing_over(
-        [x for x in jtu.tree_leaves(allocated) if isinstance(x, jax.Array)] or arrays()
-    )
+    slot_arrays = [x for x in jtu.tree_leaves(allocated) if isinstance(x, jax.Array)]
+    to_allocate = len(allocated) < len(sites)
+    # The module's arrays: a walk of the whole module, only where they are read.
+    arrays = []
+    if not slot_arrays or to_allocate:
+        arrays = [x for x in jtu.tree_leaves(module) if isinstance(x, jax.Array)]
+    loop = _jax_internals.loop_closing_over(slot_arrays or arrays)
     if loop is not None:
         message = _errors.LOOP_CLOSES_OVER.format(loop=loop)
-    elif len(allocated) < len(sites) and _jax_internals.trace_closing_over(arrays()):
+    elif to_allocate and _jax_internals.trace_closing_over(arrays):
         message = _errors.TRACE_CLOSES_OVER
     else:
         return

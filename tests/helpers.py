@@ -217,3 +217,21 @@ def assert_same(value, expected):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@jax.tree_util.register_pytree_node_class
+class Checked:
+    """A pytree node that checks its leaves: memox cannot rebuild a module holding it
+    from placeholders (`_sites.layout`), and finds its slots node by node."""
+
+    def __init__(self, x):
+        if not isinstance(x, jax.Array):
+            raise TypeError("an array, please")
+        self.x = x
+
+    def tree_flatten(self):
+        return (self.x,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)

@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import Counter, Foo, foo
+from helpers import Checked, Counter, Foo, foo
 
 import memox
 import memox._partition
@@ -72,24 +72,6 @@ def test_arrays_held_elsewhere_are_not_donated(holder, tmp_path):
     assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
     _usable(kept, tmp_path)
     assert c.n == 1
-
-
-@jax.tree_util.register_pytree_node_class
-class Checked:
-    """A pytree node that checks its leaves: `memox.jit` cannot rebuild the module from
-    placeholders, and finds its slots node by node (the general path)."""
-
-    def __init__(self, x):
-        if not isinstance(x, jax.Array):
-            raise TypeError("an array, please")
-        self.x = x
-
-    def tree_flatten(self):
-        return (self.x,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children)
 
 
 class Holder(eqx.Module):

@@ -8,27 +8,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from helpers import Counter, Foo, foo
+from helpers import Checked, Counter, Foo, foo
 
 import memox
 from memox import _sites
-
-
-@jtu.register_pytree_node_class
-class Checked:
-    """A node that checks its leaves: no layout (the pytree is walked node by node)."""
-
-    def __init__(self, x):
-        if not isinstance(x, jax.Array):
-            raise TypeError("an array, please")
-        self.x = x
-
-    def tree_flatten(self):
-        return (self.x,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children)
 
 
 class Tabled(eqx.Module):
