@@ -53,9 +53,11 @@ class Hits:
     would key alike (the same signature, under the same JAX configuration: the trace
     context, x64, the PRNG flags, ...), its check is a hit, known before dispatch. The
     wrapper then dispatches a program specialised on that: the slot's value is read from
-    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and its
-    entries pass through (not donated, not copied: the caller's arrays are given back),
-    so the next call finds them again. Anything else (a new batch, an updated
+    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`); what a hit
+    leaves unchanged (its entries, its misses: `entry_leaves`) passes through (not
+    donated, not copied: the caller's arrays are given back), so the next call finds
+    them again, and so does the index of the entry (not returned: an output would copy
+    it). The program writes only the counters a hit moves. Anything else (a new batch, an updated
     parameter, a slot loaded from disk, a `memox.clear`) is a new object and is checked
     in-graph.
 
@@ -104,13 +106,21 @@ class Hits:
         signature: Any,
         held: Sequence[tuple[Held, Sequence[Any], Any]],
         inputs: Sequence[Any],
+        decided: tuple[tuple, list[Any]],
     ) -> None:
-        """After a call of `signature` on `inputs`: the slots it vouched for, each with
-        the entry arrays of the slot it returned and the index of the entry."""
+        """After a call of `signature` on `inputs`, with the hits `decided` before it (as
+        `decide` gave them): the slots it vouched for, each with the entry arrays of the
+        slot it returned and the index of the entry (`None`: the index of the hit decided,
+        passed in)."""
         if not held:  # (nothing to record: no signature to hash on this call's path)
             self._records = ()
             return
         old = self._records
+        if len(held) == len(old) and all(index is None for _, _, index in held):
+            # Every slot vouched for is a hit decided before the call (so on a record),
+            # its entries passed through: the records would be made again as they are.
+            return
+        given = dict(zip(*decided))
         if old and (old[0].signature is signature or old[0].signature == signature):
             variants = old[0].variants
         else:
@@ -121,6 +131,7 @@ class Hits:
                 variants = self._variants[signature] = set()
         records, context = [], _jax_internals.jit_context()
         for h, entries, index in sorted(held, key=lambda item: item[0].entries):
+            index = given[h.entries] if index is None else index
             reads = [inputs[i] for i in h.reads]
             if not all(map(is_concrete_array, [*entries, *reads, index])):
                 continue
@@ -153,12 +164,14 @@ class Claims:
         self._calls.setdefault(entries, []).append(reads)
         return Claim(self, entries, self._hits.get(entries))
 
-    def held(self, out: Sequence[Memo]) -> list[tuple[Held, int, Any]]:
+    def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
         """The claimed slots the host can vouch for after this call: every call on the
         slot was claimed with the same reads, and the slot the last one left is in `out`
         (the slots leaving the call) with the same entry arrays (nothing wrote it after).
         Per slot: what the host records, its place in `out`, and the index of the entry
-        holding the value (a traced output of the wrapper)."""
+        holding the value (a traced output of the wrapper; `None` where it is the index
+        of a hit the host decided and the wrapper `keeps_indices` (does not donate them):
+        an output would copy it)."""
 
         def ids(slot: Memo) -> tuple[int, ...]:  # (a slot written is a new object)
             return tuple(map(id, entry_leaves(slot)))
@@ -169,7 +182,10 @@ class Claims:
             left = self.left.get(entries)
             if left is None or len(set(calls)) != 1 or ids(left[0]) not in where:
                 continue
-            found.append((Held(entries, calls[0]), where[ids(left[0])], left[1]))
+            index = left[1]
+            if keeps_indices and index is self._hits.get(entries):
+                index = None
+            found.append((Held(entries, calls[0]), where[ids(left[0])], index))
         return found
 
 

@@ -177,7 +177,7 @@ class _FilterJit(eqx.Module):
                 out = fn(*args, **kwargs)
                 inputs.learned(scope.used)
                 slots_out = _slots_in(out)
-                held = scope.held(slots_out)
+                held = scope.held(slots_out, keeps_indices=not donate_first)
             # Outputs that are inputs passed through unchanged are given back outside
             # (the caller's arrays): not outputs of the compiled function, which would
             # copy them. Donated inputs are left to XLA, which reuses their buffers.
@@ -248,7 +248,8 @@ class _FilterJit(eqx.Module):
         vouched = [
             (h, [leaves[j] for j in where], i) for (h, where), i in zip(out.vouched, held_indices)
         ]
-        self._hits.learn(call, vouched, given)
+        hits, (_, _, indices) = compiled_args[3], compiled_args[0]
+        self._hits.learn(call, vouched, given, (hits, indices))
         return jtu.tree_unflatten(out.treedef, leaves)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

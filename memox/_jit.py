@@ -12,8 +12,8 @@ donated only where nothing the caller holds loses them (`_donation.py`).
 
 **Hits decided on the host.** A slot whose entries and inputs are the very arrays of the
 previous call is known to hit before dispatch (`_decided.Hits`): the call runs a program
-that reads it with no check, its entries passed apart (read, not donated) and given back
-as the caller's arrays.
+that reads it with no check, what a hit leaves unchanged (its entries, its misses)
+passed apart (read, not donated) and given back as the caller's arrays.
 
 Dependencies that are the caller's arrays are fingerprinted outside the compiled code,
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared
@@ -173,6 +173,7 @@ class _Jit:
 
     def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
+        decided = call[1], call[-1]  # (the hits decided and their indices: not donated)
         try:
             dynamic, static_out, new_slots, held_indices = self._compiled(*call)
         except BaseException:  # (a failure after the donation: the nodes get empty slots)
@@ -187,7 +188,7 @@ class _Jit:
             for (h, k), i in zip(vouched, held_indices)
             if k in new_slots  # (a vouched slot was written, so it is returned)
         ]
-        self._hits.learn(split.signature, vouched, split.flat())
+        self._hits.learn(split.signature, vouched, split.flat(), decided)
         new_module = split.put(new_slots)
         split.hand_over(new_slots)
         if given is not None:
@@ -238,7 +239,7 @@ class _Body:
             self.inputs.learned(scope.used)
             changed = changed_slots(module, frame)
             final = {path: changed.get(path, slot) for path, slot in slots(module).items()}
-            held = scope.held(list(final.values()))
+            held = scope.held(list(final.values()), keeps_indices=True)
         new_slots, kept_at = self._returned(final, changed, kept)
         dynamic, static_out = eqx.partition(result, eqx.is_array)
         vouched = tuple((h, k) for h, k, _ in held)

@@ -33,7 +33,7 @@ from ._caches import Cache
 from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
 from ._sites import layout as layout_of, replace_slots
-from ._slot import ENTRY_FIELDS, Memo, is_memo
+from ._slot import HIT_UNCHANGED, Memo, is_memo
 from ._table import copied
 
 
@@ -140,10 +140,10 @@ class _Split:
         out = list(self.slot_leaves)
         starts = _starts(len(self.arrays), out)
         kept = []
-        for positions in hits:
+        for positions in hits:  # (in `entry_leaves`' order, the value first)
             i = starts[positions[0]]
-            at = {p - positions[0] for p in positions}
-            kept.append([x for j, x in enumerate(out[i]) if j in at])
+            at = [p - positions[0] for p in positions]
+            kept.append([out[i][j] for j in at])
             out[i] = [None if j in at else x for j, x in enumerate(out[i])]
         return out, kept
 
@@ -326,15 +326,16 @@ class _Slot:
 
 
 def without_entries(slot: Memo) -> Memo:
-    """`slot` with its entries `None`: what leaves the compiled function for a slot whose
-    hit was decided on the host (its entries are the caller's arrays, given back)."""
-    return _replaced(slot, dict.fromkeys(ENTRY_FIELDS))
+    """`slot` with what a hit leaves unchanged `None` (its entries, its misses): what
+    leaves the compiled function for a slot whose hit was decided on the host (those are
+    the caller's arrays, given back)."""
+    return _replaced(slot, dict.fromkeys(HIT_UNCHANGED))
 
 
 def with_entries(slot: Memo, entries: list[Any]) -> Memo:
     """`slot` (from `without_entries`) with `entries` (`entry_leaves` of the slot passed
-    in) put back."""
-    return _replaced(slot, dict(zip(ENTRY_FIELDS, entries)))
+    in; without the snapshot, last, where it is unused) put back."""
+    return _replaced(slot, dict(zip(HIT_UNCHANGED, entries)))
 
 
 def _replaced(slot: Memo, fields: dict[str, Any]) -> Memo:

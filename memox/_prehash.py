@@ -207,9 +207,9 @@ class Scope:
             return None
         return self._claims.claim(entries, positions)
 
-    def held(self, out: Sequence[Memo]) -> list[tuple[Held, int, Any]]:
+    def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
         """`Claims.held`: the claimed slots the host can vouch for after this call."""
-        return self._claims.held(out)
+        return self._claims.held(out, keeps_indices)
 
     def close(self) -> None:
         self._inputs, self._index, self._table = [], {}, None

@@ -206,6 +206,9 @@ def is_memo_annotation(annotation: Any) -> bool:
 
 # The fields that hold entries (the rest are counters).
 ENTRY_FIELDS = ("value", "valid", "key", "snapshot")
+# The fields a hit leaves as they were: the entries and the count of misses (`snapshot`,
+# `None` where unused, last).
+HIT_UNCHANGED = ("value", "valid", "key", "misses", "snapshot")
 FIELDS = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
 
 

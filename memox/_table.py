@@ -29,7 +29,7 @@ from jaxtyping import Array, PyTree
 from . import _errors, _jax_internals
 from ._fingerprint import is_concrete_array
 from ._key import explicit_sharding
-from ._slot import ENTRY_FIELDS, FIELDS, Memo
+from ._slot import FIELDS, HIT_UNCHANGED, Memo
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -156,15 +156,16 @@ def touched(slot: Memo, index: Array) -> Memo:
 
 def passed_on(slot: Memo, index: Array) -> Memo:
     """`slot` after a hit on entry `index` read without a check (a pinned slot of
-    `memox.scan`'s loop, a hit decided on the host): counters touched, entries passed on
-    as the very arrays that came in."""
+    `memox.scan`'s loop, a hit decided on the host): counters touched, what a hit leaves
+    unchanged (the entries, the misses) passed on as the very arrays that came in."""
     after = touched(slot, index)  # (jitted: its outputs are new arrays)
-    return dataclasses.replace(after, **{f: getattr(slot, f) for f in ENTRY_FIELDS})
+    return dataclasses.replace(after, **{f: getattr(slot, f) for f in HIT_UNCHANGED})
 
 
 def entry_leaves(slot: Memo) -> list[Array]:
-    """The arrays of an allocated slot's entries (`ENTRY_FIELDS` but an unused snapshot)."""
-    return [x for f in ENTRY_FIELDS if (x := getattr(slot, f)) is not None]
+    """The arrays of an allocated slot that a hit leaves unchanged (`HIT_UNCHANGED` but an
+    unused snapshot): its entries and its count of misses."""
+    return [x for f in HIT_UNCHANGED if (x := getattr(slot, f)) is not None]
 
 
 @functools.partial(jax.jit, static_argnums=2)

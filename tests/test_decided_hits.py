@@ -4,6 +4,8 @@ a program that reads the value with no check. Proven on the program (no `conditi
 nothing computed from the frozen dependency) and never stale: every result below is
 compared with the unmemoized computation, and real executions are counted."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -89,6 +91,35 @@ def test_a_hit_runs_a_program_with_no_check(wrapper):
     np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
     stats = memox.stats(m)["cache"]
     assert c.n == 1 and (stats.hits, stats.misses) == (2, 1)
+
+
+def _outputs(hlo: str) -> list[str]:
+    """The shapes of an optimised HLO module's outputs (from its entry layout)."""
+    layout = re.search(r"entry_computation_layout=\{\(.*\)->\((.*)\)\}", hlo.splitlines()[0])
+    assert layout is not None, hlo.splitlines()[0]
+    return re.findall(r"[a-z0-9]+\[[0-9,]*\]", layout.group(1))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_decided_hit_returns_only_the_counters_it_writes(wrapper):
+    step, m, x = WRAPPERS[wrapper](), _model(Counter()), jnp.ones(SHAPE[0])
+    for _ in range(3):
+        y, m = step(m, x)
+    before = m.cache
+    y, m = step(m, x)
+    # What a hit leaves as it was (its entries, its misses) is the caller's array, and
+    # the program returns the result and the counters it writes (age, used, hits): not
+    # the misses, nor the index of the entry the host decided on.
+    for field in ("value", "valid", "key", "misses"):
+        assert getattr(m.cache, field) is getattr(before, field), field
+    hit = _outputs(step.lower(m, x).compile().as_text())
+    if wrapper == "memox.filter_jit":  # (Equinox's runtime-error flag comes first)
+        assert hit[0] == "s32[]"
+        hit = hit[1:]
+    assert sorted(hit) == ["f32[48]", "s32[1]", "s32[1]", "s32[]"], hit
+    np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
+    stats = memox.stats(m)["cache"]
+    assert (stats.hits, stats.misses) == (3, 1)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
