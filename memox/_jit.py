@@ -43,7 +43,7 @@ import jax.tree_util as jtu
 from . import _decided, _errors, _prehash
 from ._call import changed_slots, check_fn, check_module, run
 from ._lifecycle import ByIdentity, allocated
-from ._partition import Signature, refilled, with_entries, without_entries
+from ._partition import Signature, Signatures, refilled, with_entries, without_entries
 from ._sites import slots
 from ._table import entry_leaves
 from ._typing import Fn, M, P, R
@@ -141,6 +141,7 @@ class _Jit:
         self._inputs = _prehash.Inputs()
         # Which slots hit, known before a call (`_decided.Hits`).
         self._hits = _decided.Hits()
+        self._signatures = Signatures()
         # A module passed again with its slots empty, as by a caller that does not thread
         # the returned module: the slots the last call on it returned, not a new
         # allocation (which also recomputes what they hold).
@@ -163,6 +164,7 @@ class _Jit:
         if not split.ready:  # rare: allocate, or revive
             given, module = module, self._latest.get(module) or allocated(module)
             split = Signature.split(module, args, kwargs, donating)
+        split.signature = self._signatures.same(split.signature)
         hits, indices = self._hits.decide(split.signature, split.flat())
         slot_leaves, kept = split.parted(hits)
         if donating:

@@ -33,7 +33,7 @@ from ._caches import Cache
 from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
 from ._sites import layout as layout_of, replace_slots
-from ._slot import HIT_UNCHANGED, Memo, is_memo
+from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of
 from ._table import copied
 
 
@@ -190,6 +190,15 @@ class Signature:
     arguments: Any  # treedef of `(args, kwargs)`
     argument_leaves: tuple[Any, ...]  # the leaf where static; `ARRAY`
 
+    def __hash__(self) -> int:
+        # Hashed once: `jax.jit` hashes its static argument at every call, and the calls
+        # of a loop pass one signature object (`Signatures.same`).
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.module, self.module_leaves, self.arguments, self.argument_leaves))
+            object.__setattr__(self, "_hash", found)
+        return found
+
     @classmethod
     def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
         leaves, treedef = jtu.tree_flatten(module)
@@ -233,7 +242,7 @@ class Signature:
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
 
         def put(new_slots: dict[int, Memo]) -> Any:
-            new = {k: jtu.tree_leaves(slot) for k, slot in new_slots.items()}
+            new = {k: leaves_of(slot) for k, slot in new_slots.items()}
             if any(len(x) != b - a for k, x in new.items() for a, b in [layout.ranges[k]]):
                 # A slot the call allocated (an unused snapshot's marker became `None`):
                 # the structure changed there.
@@ -314,6 +323,22 @@ class Signature:
         arg_leaves = hashable_combine(self.argument_leaves, arrays_)
         args, kwargs = jtu.tree_unflatten(self.arguments, arg_leaves)
         return jtu.tree_unflatten(self.module, leaves), args, kwargs
+
+
+class Signatures:
+    """The signature a wrapper's last call had: a call whose signature equals it passes
+    that very object (compared item by item, most by identity, where hashing a new one
+    walks its every leaf)."""
+
+    def __init__(self) -> None:
+        self._last: Signature | None = None
+
+    def same(self, signature: Signature) -> Signature:
+        last = self._last  # (one read: another thread may replace it)
+        if last is not None and last == signature:
+            return last
+        self._last = signature
+        return signature
 
 
 @dataclasses.dataclass(frozen=True)

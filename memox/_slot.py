@@ -40,6 +40,7 @@ import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
+import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Int, UInt8, UInt32
 
 from . import _errors
@@ -214,6 +215,21 @@ FIELDS = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
 
 def is_memo(x: Any) -> bool:
     return isinstance(x, Memo)
+
+
+def fields_of(slot: Memo) -> dict[str, Any]:
+    """A slot's fields by name, read directly: Equinox reads each through
+    `Module.__getattribute__`, and the compiled wrappers read a slot's at every call."""
+    return object.__getattribute__(slot, "__dict__")
+
+
+def leaves_of(slot: Memo) -> list[Any]:
+    """`jtu.tree_leaves(slot)` of a slot whose fields are leaves or `None` (as every slot
+    a compiled wrapper returns), without Equinox's flatten."""
+    if type(slot) is not Memo:
+        return jtu.tree_leaves(slot)
+    fields = fields_of(slot)
+    return [x for f in FIELDS if (x := fields[f]) is not None]
 
 
 def is_empty(x: Any) -> bool:

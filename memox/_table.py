@@ -29,7 +29,7 @@ from jaxtyping import Array, PyTree
 from . import _errors, _jax_internals
 from ._fingerprint import is_concrete_array
 from ._key import explicit_sharding
-from ._slot import FIELDS, HIT_UNCHANGED, Memo
+from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -165,7 +165,8 @@ def passed_on(slot: Memo, index: Array) -> Memo:
 def entry_leaves(slot: Memo) -> list[Array]:
     """The arrays of an allocated slot that a hit leaves unchanged (`HIT_UNCHANGED` but an
     unused snapshot): its entries and its count of misses."""
-    return [x for f in HIT_UNCHANGED if (x := getattr(slot, f)) is not None]
+    fields = fields_of(slot)
+    return [x for f in HIT_UNCHANGED if (x := fields[f]) is not None]
 
 
 @functools.partial(jax.jit, static_argnums=2)

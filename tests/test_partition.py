@@ -65,3 +65,57 @@ def test_every_wrapper_partitions_alike():
     assert signature.argument_leaves == statics
     assert call.leaves == statics
     assert parts.statics == statics
+
+
+class _Cached(eqx.Module):
+    w: jax.Array
+    cache: memox.Memo[jax.Array] = memox.Memo()
+    other: memox.Memo[jax.Array] = memox.Memo()
+
+    @memox.cached("cache")
+    def scaled(self):
+        return 2 * self.w
+
+    @memox.cached("other", policy=memox.policies.Drift(rtol=0.1))
+    def shifted(self):
+        return self.w + 1
+
+
+def test_a_slots_leaves_are_read_as_jax_flattens_them():
+    from memox._slot import leaves_of
+
+    m = _Cached(jnp.ones(3))
+    filled = memox.call(memox.init(m), lambda m: (m.scaled(), m.shifted()))[1]
+    filtered = eqx.filter(filled, eqx.is_inexact_array)  # (every slot field `None`)
+    # Empty, allocated (with an unused snapshot, `None`, and a used one), filtered.
+    for slot in (m.cache, filled.cache, filled.other, filtered.cache):
+        expected = jtu.tree_leaves(slot)
+        assert len(leaves_of(slot)) == len(expected)
+        assert all(a is b for a, b in zip(leaves_of(slot), expected))
+
+
+def test_a_loop_passes_one_signature_hashed_once(monkeypatch):
+    hashed = []
+    original = _partition.Signature.__hash__
+
+    def counted(self):
+        hashed.append(self.__dict__.get("_hash") is None)
+        return original(self)
+
+    monkeypatch.setattr(_partition.Signature, "__hash__", counted)
+    step = memox.jit(lambda m, x: m.scaled() * x)
+    m = _Cached(jnp.ones(3))
+    signatures = []
+    for x in (1.0, 2.0, 3.0, 4.0):
+        y, m = step(m, jnp.float32(x))
+        np.testing.assert_allclose(y, 2 * x * np.ones(3))
+        signatures.append(step._signatures._last)
+    # The signature of the loop's calls is one object from the second call on (the first
+    # call allocated the slots: another signature), hashed when it was new only.
+    assert signatures[1] is signatures[2] is signatures[3]
+    assert sum(hashed) <= 3, hashed
+    # A call with another static part (a Python float for an array) gets its own.
+    y, m = step(m, 5.0)
+    np.testing.assert_allclose(y, 10 * np.ones(3))
+    assert step._signatures._last is not signatures[3]
+    assert step._signatures._last != signatures[3]
