@@ -142,6 +142,12 @@ class Memo(eqx.Module, Generic[T]):
     misses: Leaf[Int[Array, ""]] = EMPTY
     size: Size = eqx.field(static=True, default=1)
 
+    # Python's own attribute lookup: a slot's fields are read at every call (by JAX's
+    # flatten of every module holding one, among others), and `eqx.Module`'s, which
+    # wraps methods as pytrees for `jax.jit`, is a Python function per read. A slot's
+    # methods are memox's own, never passed to a transformation.
+    __getattribute__ = object.__getattribute__
+
     def __set_name__(self, owner: type, name: str) -> None:
         # A slot declared with a default (`b_cache: Memo[...] = Memo()`) becomes a field
         # whose default is set on every instance, even by a custom `__init__` that does
