@@ -32,7 +32,7 @@ import numpy as np
 from ._caches import Cache
 from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
-from ._sites import layout as layout_of, replace_slots
+from ._sites import layout as layout_of, replace_slots, with_nodes
 from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of
 from ._table import copied
 
@@ -248,6 +248,14 @@ class Signature:
                 # the structure changed there.
                 tree = jtu.tree_unflatten(treedef, leaves)
                 return replace_slots(tree, {layout.paths[k]: s for k, s in new_slots.items()})
+            paths = {layout.paths[k]: s for k, s in new_slots.items()}
+            # Copying the nodes down the slots' paths costs a few times what unflattening
+            # does per node: worth it where the paths cross a small part of the tree (one
+            # slot among 1000 leaves: 1.9 -> 1.4 ms a call), not where they cross most.
+            if 4 * sum(map(len, paths)) <= len(leaves):
+                copied = with_nodes(module, paths)
+                if copied is not None:
+                    return copied
             for k, x in new.items():
                 a, b = layout.ranges[k]
                 leaves[a:b] = x

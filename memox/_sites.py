@@ -16,6 +16,7 @@ import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
@@ -155,6 +156,10 @@ def replace_slots(
     `new` is empty."""
     if not new and not rebuild:
         return tree
+    if not rebuild:
+        copied = with_nodes(tree, new)
+        if copied is not None:
+            return copied
     leaves, treedef = jtu.tree_flatten(tree)
     found = layout(treedef)
     if found is not None and _spliced(leaves, found, new):
@@ -182,6 +187,98 @@ def _spliced(leaves: list[Any], found: Layout, new: Mapping[Path, Memo | Hoisted
         if a >= 0:
             leaves[a:b] = slot_leaves
     return True
+
+
+class _Put:
+    """A node to put at the end of a path (`with_nodes`)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any):
+        self.node = node
+
+
+def with_nodes(tree: Any, new: Mapping[Path, Any]) -> Any | None:
+    """`tree` with the nodes at the paths in `new` replaced by its values, copying only the
+    nodes on those paths, each once, as `jtu.tree_unflatten` builds them: every other
+    node is the very object of `tree` (a model with one slot among 1000 leaves copies
+    three nodes, not 500). None where a path passes through a node memox does not copy
+    (only fields of an `eqx.Module`, items of a `tuple` or `list` and values of a `dict`
+    are): the caller rebuilds the whole tree."""
+    if () in new:
+        return new[()] if len(new) == 1 else None
+    trie: dict[Any, Any] = {}
+    for path, node in new.items():
+        level = trie
+        for entry in path[:-1]:
+            level = level.setdefault(entry, {})
+            if not isinstance(level, dict):  # (a path through another's end)
+                return None
+        level[path[-1]] = _Put(node)
+    return _copied(tree, trie)
+
+
+def _copied(node: Any, trie: dict[Any, Any]) -> Any | None:
+    """`node` with its children at the entries of `trie` replaced (`_Put`) or copied in
+    turn (a nested trie)."""
+    children = {}
+    for entry, below in trie.items():
+        if isinstance(below, _Put):
+            children[entry] = below.node
+            continue
+        try:
+            old = follow(node, (entry,))
+        except Exception:
+            return None
+        copied = _copied(old, below)
+        if copied is None:
+            return None
+        children[entry] = copied
+    kind = type(node)
+    if kind is tuple or kind is list:
+        if not all(isinstance(e, jtu.SequenceKey) for e in children):
+            return None
+        items = list(node)
+        for entry, child_ in children.items():
+            items[entry.idx] = child_
+        return kind(items)
+    if kind is dict:
+        if not all(isinstance(e, jtu.DictKey) for e in children):
+            return None
+        out = dict(node)
+        for entry, child_ in children.items():
+            out[entry.key] = child_
+        return out
+    if isinstance(node, eqx.Module):
+        if not all(isinstance(e, jtu.GetAttrKey) for e in children):
+            return None
+        out = object.__new__(kind)
+        fields = object.__getattribute__(node, "__dict__")
+        target = object.__getattribute__(out, "__dict__")
+        # What Equinox's unflatten sets: the fields, and a wrapper's `__module__`, ...
+        target.update((k, v) for k, v in fields.items() if k in _unflattened(kind))
+        for entry, child_ in children.items():
+            target[entry.name] = child_
+        return out
+    return None
+
+
+_UNFLATTENED = Cache("unflattened attributes", 4096)  # eqx.Module type -> names
+
+
+def _unflattened(kind: type) -> frozenset[str]:
+    """The attributes `jtu.tree_unflatten` sets on an `eqx.Module` of type `kind`: its
+    fields, and the attributes of a wrapper (`eqx.module_update_wrapper`)."""
+    found = _UNFLATTENED.get(kind)
+    if found is None:
+        names = {f.name for f in dataclasses.fields(kind)} | set(_WRAPPER_ATTRIBUTES)
+        found = _UNFLATTENED.put(kind, frozenset(names))
+    return found
+
+
+# The attributes Equinox's flatten carries for a wrapper module
+# (`equinox/_module/_flatten.py`, `WRAPPER_FIELD_NAMES`).
+_WRAPPER_ATTRIBUTES = ("__module__", "__name__", "__qualname__", "__doc__", "__annotations__")
 
 
 def path_name(path: Path) -> str:

@@ -80,9 +80,50 @@ def test_replacing_slots_through_the_layout_gives_what_a_walk_gives(name, change
             pytest.skip("no allocated slot")
     else:  # another structure: the tree rebuilt from a walk
         new = {s.path: memox.Memo() if s.slot.allocated else full for s in sites}
-    replaced = _sites.replace_slots(tree, new)
+    replaced = _sites.replace_slots(tree, new)  # (copied down the paths)
+    monkeypatch.setattr(_sites, "with_nodes", lambda tree, new: None)
+    spliced = _sites.replace_slots(tree, new)  # (flattened, spliced, unflattened)
     monkeypatch.setattr(_sites, "layout", lambda treedef: None)
-    assert _same(replaced, _sites.replace_slots(tree, new))
+    walked = _sites.replace_slots(tree, new)
+    assert _same(replaced, walked) and _same(spliced, walked)
     before = {s.path: s.slot for s in sites}
     for site in _sites.slot_sites(replaced):
         assert _same(site.slot, new.get(site.path, before[site.path]))
+
+
+def _nodes(tree):
+    """Every node of `tree` (leaves included), by path."""
+    out = {}
+
+    def visit(path, node):
+        out[path] = node
+        children = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        if not (len(children) == 1 and children[0][1] is node):
+            for key, child in children:
+                visit((*path, *key), child)
+
+    visit((), tree)
+    return out
+
+
+@pytest.mark.parametrize("name", list(_trees()))
+def test_replacing_a_slot_copies_only_the_nodes_on_its_path(name):
+    tree = _trees()[name]
+    sites = list(_sites.slot_sites(tree))
+    site = sites[-1]
+    new_slot = memox.Memo()
+    copied = _sites.with_nodes(tree, {site.path: new_slot})
+    if copied is None:  # a node memox does not copy on the path: the caller rebuilds
+        assert name == "a node that checks its leaves" and site.path[0] == jtu.SequenceKey(1)
+        pytest.skip("rebuilt whole")
+    assert _same(copied, _sites.replace_slots(tree, {site.path: new_slot}, rebuild=True))
+    old, new = _nodes(tree), _nodes(copied)
+    on_path = {site.path[:i] for i in range(len(site.path) + 1)}
+    assert new[site.path] is new_slot
+    for path, node in new.items():
+        if path in on_path:
+            assert node is not old[path], path  # a new node (the tree passed in is kept)
+        elif not any(path[: len(p)] == p and len(p) == len(site.path) for p in on_path):
+            assert node is old[path], path  # everything else: the very object
+    # The tree passed in still holds its own slots.
+    assert all(s.slot is t.slot for s, t in zip(sites, _sites.slot_sites(tree)))
