@@ -4,9 +4,10 @@ some of them replaced (`replace_slots`), by slots or by values `memox.hoist` rea
 
 Where they lie is worked out once per tree structure (`layout`: the module rebuilt with
 integers for leaves, walked with paths once), so that finding the slots of a pytree
-costs one flatten of it and a walk down each slot's path, and replacing them one
-flatten and one unflatten: no Python test on every node at every call. A pytree whose
-nodes refuse integer leaves is walked node by node.
+costs one flatten of it and a walk down each slot's path, and replacing them a copy of
+the nodes on their paths (`with_nodes`), else one flatten and one unflatten: no Python
+test on every node at every call. A pytree whose nodes refuse integer leaves is walked
+node by node.
 """
 
 from __future__ import annotations
