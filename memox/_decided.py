@@ -57,9 +57,9 @@ class Hits:
     leaves unchanged (its entries, its misses: `entry_leaves`) passes through (not
     donated, not copied: the caller's arrays are given back), so the next call finds
     them again, and so does the index of the entry (not returned: an output would copy
-    it). The program writes only the counters a hit moves. Anything else (a new batch, an updated
-    parameter, a slot loaded from disk, a `memox.clear`) is a new object and is checked
-    in-graph.
+    it). The program writes only the counters a hit moves. Anything else (a new batch,
+    an updated parameter, a slot loaded from disk, a `memox.clear`) is a new object and
+    is checked in-graph.
 
     The hit set is a static argument of the compiled function: at most `MAX_VARIANTS`
     programs per signature (past that, calls with a new set run the program with none

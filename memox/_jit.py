@@ -175,7 +175,8 @@ class _Jit:
 
     def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
-        decided = call[1], call[-1]  # (the hits decided and their indices: not donated)
+        _, hits, *_, indices = call
+        decided = hits, indices  # (their indices are not donated: `Hits.learn` keeps them)
         try:
             dynamic, static_out, new_slots, held_indices = self._compiled(*call)
         except BaseException:  # (a failure after the donation: the nodes get empty slots)
