@@ -1,6 +1,6 @@
 """Hits decided on the host: a compiled wrapper that knows, before it dispatches a
-call, that a slot's check will hit, runs a program that reads the slot's value with no
-check (`Hits`).
+call, that a slot's check will hit, runs a program that takes the slot's value as it is,
+with no check (`Hits`).
 
 Inside the trace, `Claims` (held by `_prehash.Scope`, the trace's context) records the
 cached calls the host may decide and what each left; after the call, `Hits.learn`
@@ -14,17 +14,20 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax.tree_util as jtu
+
 from . import _jax_internals
 from ._fingerprint import across_processes, is_concrete_array
 from ._slot import Memo
-from ._table import entry_leaves
+from ._storage import Spec
+from ._table import entry_leaves, read_entry
 
 
 class _Record(NamedTuple):
     """A fact about immutable objects, so true for every thread: the slot whose entries
     are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
     in a call of static signature `signature` under JAX's configuration `context` (see
-    `Hits`)."""
+    `Hits`); `value` reads that value once, when a call first decides the hit."""
 
     signature: Any
     context: Any
@@ -32,7 +35,30 @@ class _Record(NamedTuple):
     entries: tuple[weakref.ref, ...]
     reads: tuple[weakref.ref, ...]
     index: Any  # on the device
+    value: _Value
     variants: set  # the hit sets compiled for `signature` (shared by its records)
+
+
+class _Value:
+    """The value that entry `index` of a value table holds, decoded on the first `get`
+    and kept: what a program of a decided hit takes in place of the table (no copy of
+    the bits into the value's type on every call). The table is held weakly (a slot is
+    donated only where nothing else holds its arrays); `get` is called once a call has
+    passed it, so it is alive. A value donated since (`memox.filter_jit(donate="all")`
+    donates every input) is decoded again. Threads reading at once decode the same
+    immutable arrays, each to a value equal to the other's."""
+
+    def __init__(self, table: Any, index: Any, spec: Spec, value: Any = None):
+        self._table, self._index, self._spec = weakref.ref(table), index, spec
+        self._value = value
+
+    def get(self) -> Any:
+        value = self._value
+        if value is None or any(x.is_deleted() for x in jtu.tree_leaves(value)):
+            table = self._table()
+            assert table is not None  # (a call passed it)
+            self._value = read_entry(table, self._index, self._spec)
+        return self._value
 
 
 # At most this many programs per signature specialised on hits decided on the host (the
@@ -53,8 +79,10 @@ class Hits:
     would key alike (the same signature, under the same JAX configuration: the trace
     context, x64, the PRNG flags, ...), its check is a hit, known before dispatch. The
     wrapper then dispatches a program specialised on that: the slot's value is read from
-    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`); what a hit
-    leaves unchanged (its entries, its misses: `entry_leaves`) passes through (not
+    the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and taken as
+    an input in its own type (decoded from the table once per record, `_Value`: the
+    program then reads no bits, as a hand-hoisted step takes the value as it is); what a
+    hit leaves unchanged (its entries, its misses: `entry_leaves`) passes through (not
     donated, not copied: the caller's arrays are given back), so the next call finds
     them again, and so does the index of the entry (not returned: an output would copy
     it). The program writes only the counters a hit moves. Anything else (a new batch,
@@ -71,12 +99,12 @@ class Hits:
 
     def decide(self, signature: Any, inputs: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """The hits known for a call of `signature` on `inputs` (the positions of each
-        slot's entry leaves, sorted; a static argument), and the index of each one's
-        entry (device arrays)."""
+        slot's entry leaves, sorted; a static argument), and for each one the index of
+        its entry and the value that entry holds (device arrays: `Decided`)."""
         records = self._records  # one snapshot (another thread may replace it whole)
         if not records:
             return (), []
-        hits, indices, compared, same = [], [], None, False
+        found, compared, same = [], None, False
         context = _jax_internals.jit_context()
         for record in records:
             if record.signature is not compared:
@@ -89,17 +117,16 @@ class Hits:
                 and _is(record.entries, record.held.entries, inputs)
                 and _is(record.reads, record.held.reads, inputs)
             ):
-                hits.append(record.held.entries)
-                indices.append(record.index)
-        if not hits:
+                found.append(record)
+        if not found:
             return (), []
-        found = tuple(hits)
+        hits = tuple(record.held.entries for record in found)
         variants = records[0].variants
-        if found not in variants:
+        if hits not in variants:
             if len(variants) >= MAX_VARIANTS - 1 or across_processes(inputs):
                 return (), []
-            variants.add(found)
-        return found, indices
+            variants.add(hits)
+        return hits, [Decided(record.index, record.value.get()) for record in found]
 
     def learn(
         self,
@@ -111,7 +138,7 @@ class Hits:
         """After a call of `signature` on `inputs`, with the hits `decided` before it (as
         `decide` gave them): the slots it vouched for, each with the entry arrays of the
         slot it returned and the index of the entry (`None`: the index of the hit decided,
-        passed in)."""
+        passed in, whose value is then known already)."""
         if not held:  # (nothing to record: no signature to hash on this call's path)
             self._records = ()
             return
@@ -131,12 +158,15 @@ class Hits:
                 variants = self._variants[signature] = set()
         records, context = [], _jax_internals.jit_context()
         for h, entries, index in sorted(held, key=lambda item: item[0].entries):
-            index = given[h.entries] if index is None else index
+            known = given.get(h.entries) if index is None else None
+            index = known.index if known is not None else index
             reads = [inputs[i] for i in h.reads]
             if not all(map(is_concrete_array, [*entries, *reads, index])):
                 continue
+            # (`known`: the table and index of a decided hit, whose value is read already)
+            value = _Value(entries[0], index, h.spec, None if known is None else known.value)
             refs, read_refs = tuple(map(weakref.ref, entries)), tuple(map(weakref.ref, reads))
-            records.append(_Record(signature, context, h, refs, read_refs, index, variants))
+            records.append(_Record(signature, context, h, refs, read_refs, index, value, variants))
         self._records = tuple(records)
 
 
@@ -147,21 +177,31 @@ def _is(refs: tuple[weakref.ref, ...], positions: tuple[int, ...], inputs: Seque
     return True
 
 
+class Decided(NamedTuple):
+    """A hit decided on the host, as the compiled function takes it: the index of the
+    entry read (for the counters a hit moves) and the value it holds."""
+
+    index: Any
+    value: Any
+
+
 class Claims:
     """The cached calls one trace claimed (`_prehash.Scope.claim`), and the hits its
     wrapper decided on the host (`hits`: per slot, by the input positions of its entry
-    leaves, the input tracer holding the index of the entry to read)."""
+    leaves, the input tracers of its `Decided`)."""
 
-    def __init__(self, hits: dict[tuple[int, ...], Any]):
+    def __init__(self, hits: dict[tuple[int, ...], Decided]):
         self._hits = hits
         # Per slot claimed (its entries' positions): the positions each claimed call's
-        # decision read, and the slot and entry index the last one left.
-        self._calls: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        # decision read with the type of its value, and the slot and entry index the
+        # last one left.
+        self._calls: dict[tuple[int, ...], list[tuple[tuple[int, ...], Spec]]] = {}
         self.left: dict[tuple[int, ...], tuple[Memo, Any]] = {}
 
-    def claim(self, entries: tuple[int, ...], reads: tuple[int, ...]) -> Claim:
-        """A call on the slot whose entries are inputs `entries`, deciding from `reads`."""
-        self._calls.setdefault(entries, []).append(reads)
+    def claim(self, entries: tuple[int, ...], reads: tuple[int, ...], spec: Spec) -> Claim:
+        """A call on the slot whose entries are inputs `entries`, deciding from `reads`,
+        for a value of `spec`."""
+        self._calls.setdefault(entries, []).append((reads, spec))
         return Claim(self, entries, self._hits.get(entries))
 
     def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
@@ -182,19 +222,19 @@ class Claims:
             left = self.left.get(entries)
             if left is None or len(set(calls)) != 1 or ids(left[0]) not in where:
                 continue
-            index = left[1]
-            if keeps_indices and index is self._hits.get(entries):
+            index, decided = left[1], self._hits.get(entries)
+            if keeps_indices and decided is not None and index is decided.index:
                 index = None
-            found.append((Held(entries, calls[0]), where[ids(left[0])], index))
+            found.append((Held(entries, *calls[0]), where[ids(left[0])], index))
         return found
 
 
 class Claim:
-    """A cached call the host can decide (`_prehash.Scope.claim`). `index`: the traced index of
-    the entry to read where the host decided a hit, else None."""
+    """A cached call the host can decide (`_prehash.Scope.claim`). `decided`: where the
+    host decided a hit, the traced index of the entry and the value it holds, else None."""
 
-    def __init__(self, claims: Claims, entries: tuple[int, ...], index: Any):
-        self._claims, self._entries, self.index = claims, entries, index
+    def __init__(self, claims: Claims, entries: tuple[int, ...], decided: Decided | None):
+        self._claims, self._entries, self.decided = claims, entries, decided
 
     def left(self, slot: Memo, index: Any) -> None:
         """The call left `slot`, whose entry `index` holds its value."""
@@ -204,7 +244,9 @@ class Claim:
 @dataclasses.dataclass(frozen=True)
 class Held:
     """A slot that holds, after a call, the value for what its decision read: the input
-    positions of the slot's entry leaves and of what the decision reads."""
+    positions of the slot's entry leaves and of what the decision reads, and the type of
+    the value (how to decode it)."""
 
     entries: tuple[int, ...]
     reads: tuple[int, ...]
+    spec: Spec

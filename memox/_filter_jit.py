@@ -169,10 +169,10 @@ class _FilterJit(eqx.Module):
         donate_first, donate_rest = donate in ("all", "warn"), donate != "none"
 
         def traced(head: tuple, rest: list, call: _Call, hits: tuple) -> Any:
-            first, table, indices = head
+            first, table, decided = head
             arrays = call.merge(first, rest)
             fn, args, kwargs = call.rebuild(arrays)
-            hits_ = dict(zip(hits, indices))
+            hits_ = dict(zip(hits, decided))
             with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES, hits_) as scope:
                 out = fn(*args, **kwargs)
                 inputs.learned(scope.used)
@@ -202,7 +202,7 @@ class _FilterJit(eqx.Module):
             out_static = _Out(treedef, tuple(static), vouched)
             # A donated table is returned (unchanged) so that XLA reuses its buffer and
             # `donate="warn"` warns about the caller's arrays only.
-            donated_table = (table, indices) if donate_first else None
+            donated_table = (table, decided) if donate_first else None
             return dynamic, out_static, donated_table, [i for _, _, i in held]
 
         name = getattr(fun, "__name__", type(fun).__name__)
@@ -228,13 +228,13 @@ class _FilterJit(eqx.Module):
             args = tuple(map(allocated_once, args))
             kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
             call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
-        hits, indices = self._hits.decide(call, arrays)
+        hits, decided = self._hits.decide(call, arrays)
         given = arrays
         if self._donate != "none" and _handed_back:
             arrays = _unshared(arrays, call.donated(self._donate in ("all", "warn"), True))
         table = self._inputs.table(arrays)
         first, rest = call.groups(arrays)
-        return call, given, arrays, ((first, table, indices), rest, call, hits)
+        return call, given, arrays, ((first, table, decided), rest, call, hits)
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         call, given, arrays, compiled_args = self._prepared(args, kwargs)
@@ -248,8 +248,8 @@ class _FilterJit(eqx.Module):
         vouched = [
             (h, [leaves[j] for j in where], i) for (h, where), i in zip(out.vouched, held_indices)
         ]
-        hits, (_, _, indices) = compiled_args[3], compiled_args[0]
-        self._hits.learn(call, vouched, given, (hits, indices))
+        hits, (_, _, decided) = compiled_args[3], compiled_args[0]
+        self._hits.learn(call, vouched, given, (hits, decided))
         return jtu.tree_unflatten(out.treedef, leaves)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

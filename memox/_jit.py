@@ -12,8 +12,9 @@ donated only where nothing the caller holds loses them (`_donation.py`).
 
 **Hits decided on the host.** A slot whose entries and inputs are the very arrays of the
 previous call is known to hit before dispatch (`_decided.Hits`): the call runs a program
-that reads it with no check, what a hit leaves unchanged (its entries, its misses)
-passed apart (read, not donated) and given back as the caller's arrays.
+that takes its value as an input, with no check (decoded from the slot's bits once, on
+the host), what a hit leaves unchanged (its entries, its misses) passed apart (not
+donated, and not read by the program) and given back as the caller's arrays.
 
 Dependencies that are the caller's arrays are fingerprinted outside the compiled code,
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared
@@ -165,18 +166,17 @@ class _Jit:
             given, module = module, self._latest.get(module) or allocated(module)
             split = Signature.split(module, args, kwargs, donating)
         split.signature = self._signatures.same(split.signature)
-        hits, indices = self._hits.decide(split.signature, split.flat())
+        hits, decided = self._hits.decide(split.signature, split.flat())
         slot_leaves, kept = split.parted(hits)
         if donating:
             slot_leaves = split.donated(slot_leaves)
         table = self._inputs.table(split.arrays)
-        call = (split.signature, hits, split.arrays, slot_leaves, kept, table, indices)
+        call = (split.signature, hits, split.arrays, slot_leaves, kept, table, decided)
         return split, given, kept, call
 
     def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
-        _, hits, *_, indices = call
-        decided = hits, indices  # (their indices are not donated: `Hits.learn` keeps them)
+        _, hits, *_, decided = call  # (not donated: `Hits.learn` keeps their indices)
         try:
             dynamic, static_out, new_slots, held_indices = self._compiled(*call)
         except BaseException:  # (a failure after the donation: the nodes get empty slots)
@@ -191,7 +191,7 @@ class _Jit:
             for (h, k), i in zip(vouched, held_indices)
             if k in new_slots  # (a vouched slot was written, so it is returned)
         ]
-        self._hits.learn(split.signature, vouched, split.flat(), decided)
+        self._hits.learn(split.signature, vouched, split.flat(), (hits, decided))
         new_module = split.put(new_slots)
         split.hand_over(new_slots)
         if given is not None:
@@ -231,13 +231,13 @@ class _Body:
         slot_leaves: list,
         kept: list,
         table: Any,
-        indices: list,
+        decided: list[_decided.Decided],
     ) -> Any:
         slot_leaves = refilled(len(arrays), hits, slot_leaves, kept)
         module, args, kwargs = static.rebuild(arrays, slot_leaves)
         flat = [*arrays, *(x for leaves in slot_leaves for x in leaves)]
         min_bytes = _prehash.PREHASH_MIN_BYTES
-        with _prehash.scope(flat, table, min_bytes, dict(zip(hits, indices))) as scope:
+        with _prehash.scope(flat, table, min_bytes, dict(zip(hits, decided))) as scope:
             result, module, frame = run(module, self.fn, args, kwargs)
             self.inputs.learned(scope.used)
             changed = changed_slots(module, frame)

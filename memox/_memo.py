@@ -110,10 +110,14 @@ class Memoised:
         markers = _ledger.store(self.method.qualname, path_name(path))
         # In a compiled wrapper, a call whose hit its wrapper can decide on the host.
         reads = [*deps, *call.arg_arrays] if policy.snapshots else keyed
-        claim = None if markers is not None else _prehash.claim(slot, policy.max_age, reads)
-        if claim is not None and claim.index is not None:  # a hit, decided on the host
-            value, slot = entry(slot, claim.index, self.plan.spec), passed_on(slot, claim.index)
-            claim.left(slot, claim.index)
+        claim = None
+        if markers is None:
+            claim = _prehash.claim(slot, policy.max_age, reads, self.plan.spec)
+        if claim is not None and claim.decided is not None:  # a hit, decided on the host
+            # (its value, read from the table once on the host: an input of the program)
+            index, value = claim.decided
+            slot = passed_on(slot, index)
+            claim.left(slot, index)
             frame.write(path, slot, self.method.qualname)
             return value
         nested = self._nested(call)

@@ -49,9 +49,10 @@ import numpy as np
 from jax import lax
 
 from . import _jax_internals
-from ._decided import Claim, Claims, Held
+from ._decided import Claim, Claims, Decided, Held
 from ._fingerprint import across_processes, array_fingerprint, is_concrete_array, known
 from ._slot import Memo
+from ._storage import Spec
 from ._table import entry_leaves
 
 
@@ -154,8 +155,8 @@ PREHASH_MIN_BYTES = 1 << 18
 class Scope:
     """The context of one trace of a compiled wrapper: the table, by the ids of its input
     tracers, and the cached calls the host may decide (`_decided.Claims`, with `hits`:
-    per slot, by the input positions of its entry leaves, the input tracer holding the
-    index of the entry to read).
+    per slot, by the input positions of its entry leaves, the input tracers of the index
+    of the entry to read and of the value it holds).
 
     Holds the input tracers while the trace runs (so that no id is reused), and drops
     them when it ends."""
@@ -165,7 +166,7 @@ class Scope:
         inputs: Sequence[Any],
         table: Any,
         min_bytes: int = 0,
-        hits: dict[tuple[int, ...], Any] | None = None,
+        hits: dict[tuple[int, ...], Decided] | None = None,
     ):
         self.trace = _jax_internals.current()
         self._min_bytes = min_bytes
@@ -189,14 +190,16 @@ class Scope:
         found = tuple(self._index.get(id(x), -1) for x in xs)
         return None if -1 in found else found
 
-    def claim(self, slot: Memo, max_age: int | None, reads: Sequence[Any]) -> Claim | None:
+    def claim(
+        self, slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec
+    ) -> Claim | None:
         """A cached call on `slot`, whose reuse decision reads `reads`, where the host can
         decide it: made directly in the wrapped function (not in a branch, a loop, `vmap`
         or a staged transformation; inside `jax.grad` and its kin, with what it reads
         not differentiated), under a policy without `max_age`, on a slot whose entries
-        and on values whose arrays are all inputs of the wrapper. Then the call's
-        `Claim`: the index of the entry to read where the host decided a hit, else None
-        (the call checks in-graph and tells the claim what it left)."""
+        and on values whose arrays are all inputs of the wrapper, for a value of `spec`.
+        Then the call's `Claim`: the entry's index and value where the host decided a
+        hit, else None (the call checks in-graph and tells the claim what it left)."""
         if max_age is not None or not slot.allocated:
             return None
         if not _jax_internals.differentiating_in(_jax_internals.current(), self.trace):
@@ -205,7 +208,7 @@ class Scope:
         positions = self._positions(reads)
         if entries is None or positions is None:
             return None
-        return self._claims.claim(entries, positions)
+        return self._claims.claim(entries, positions, spec)
 
     def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
         """`Claims.held`: the claimed slots the host can vouch for after this call."""
@@ -231,7 +234,7 @@ def scope(
     inputs: Sequence[Any],
     table: Any,
     min_bytes: int = 0,
-    hits: dict[tuple[int, ...], Any] | None = None,
+    hits: dict[tuple[int, ...], Decided] | None = None,
 ) -> Iterator[Scope]:
     """Make `table` (rows for the first inputs of `inputs`, the tracers of a compiled
     function's input arrays) and `hits` current while the function is traced; inputs
@@ -257,10 +260,10 @@ def lookup(x: Any) -> Any | None:
     return None
 
 
-def claim(slot: Memo, max_age: int | None, reads: Sequence[Any]) -> Claim | None:
+def claim(slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec) -> Claim | None:
     """`Scope.claim` in the innermost compiled wrapper being traced, if any."""
     scopes = _scopes()
-    return scopes[-1].claim(slot, max_age, reads) if scopes else None
+    return scopes[-1].claim(slot, max_age, reads, spec) if scopes else None
 
 
 def tracing() -> bool:

@@ -122,9 +122,14 @@ def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Mesh | None, spec: Any = No
 
 
 @functools.partial(jax.jit, static_argnums=2)
+def read_entry(table: Array, index: Array, spec: Spec) -> PyTree[Array]:
+    """The value of `spec` that entry `index` of the value table `table` holds."""
+    return decode(lax.dynamic_index_in_dim(table, index, keepdims=False), spec)
+
+
 def entry(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
-    """The value stored in entry `index`."""
-    return decode(lax.dynamic_index_in_dim(slot.value, index, keepdims=False), spec)
+    """The value stored in entry `index` of `slot`."""
+    return read_entry(slot.value, index, spec)
 
 
 @jax.jit

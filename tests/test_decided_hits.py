@@ -122,6 +122,42 @@ def test_a_decided_hit_returns_only_the_counters_it_writes(wrapper):
     assert (stats.hits, stats.misses) == (3, 1)
 
 
+def _parameters(hlo: str) -> list[str]:
+    """The shapes of an optimised HLO module's parameters (from its entry layout)."""
+    layout = re.search(r"entry_computation_layout=\{\((.*)\)->", hlo.splitlines()[0])
+    assert layout is not None, hlo.splitlines()[0]
+    return re.findall(r"[a-z0-9]+\[[0-9,]*\]", layout.group(1))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_decided_hit_takes_the_value_as_it_is(wrapper, monkeypatch):
+    # Regression: the hit program read the value from the slot's bits, and XLA:CPU
+    # wrote the bit-cast value out before the ops reading it: a copy on every call.
+    reads = Counter()
+
+    def read_entry(*args):
+        reads.tick()
+        return memox._table.read_entry(*args)
+
+    monkeypatch.setattr(memox._decided, "read_entry", read_entry)
+    step, m, x = WRAPPERS[wrapper](), _model(Counter()), jnp.ones(SHAPE[0])
+    table = "u32[1,{0},{0}]".format(SHAPE[0])  # the value table: one Cholesky factor
+    value = "f32[{0},{0}]".format(SHAPE[0])
+    first = step.lower(m, x).compile().as_text()
+    for _ in range(3):
+        y, m = step(m, x)
+    hit = step.lower(m, x).compile().as_text()
+    assert table in _parameters(first) and value not in _parameters(first)
+    # The value is a parameter, in its own type; the table is not read at all.
+    assert value in _parameters(hit) and table not in _parameters(hit), _parameters(hit)
+    assert "bitcast-convert" not in hit, hit
+    np.testing.assert_allclose(y, _reference(m, x), rtol=1e-5)
+    # The value is decoded once on the host, not per call (`lower` decided too).
+    for _ in range(3):
+        y, m = step(m, x)
+    assert memox.stats(m)["cache"].hits == 5 and reads.n == 1
+
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_never_stale_through_both_programs(wrapper):
     c = Counter()

@@ -91,7 +91,12 @@ def test_same_results_and_structures_as_eqx_filter_jit():
         for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             if eqx.is_array(u):
                 assert (u.dtype, u.shape) == (v.dtype, v.shape)
-                np.testing.assert_array_equal(u, v)
+                # Integers (the slots) bit for bit, floats to their last bits: a decided
+                # hit's program takes the features as a parameter (as a hand-hoisted step
+                # does), and XLA may order the dots' sums otherwise than after a branch.
+                floating = jnp.issubdtype(u.dtype, jnp.floating)
+                rtol = 4 * np.finfo(u.dtype).eps if floating else 0
+                np.testing.assert_allclose(u, v, rtol=rtol, atol=0)
             else:
                 assert u == v
         assert b[2]["tag"] == "mse"
