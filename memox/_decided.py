@@ -50,14 +50,14 @@ class _Value:
 
     def __init__(self, table: Any, index: Any, spec: Spec, value: Any = None):
         self._table, self._index, self._spec = weakref.ref(table), index, spec
-        self._value = value
+        self._value, self._leaves = value, [] if value is None else jtu.tree_leaves(value)
 
     def get(self) -> Any:
-        value = self._value
-        if value is None or any(x.is_deleted() for x in jtu.tree_leaves(value)):
+        if self._value is None or any(x.is_deleted() for x in self._leaves):
             table = self._table()
             assert table is not None  # (a call passed it)
             self._value = read_entry(table, self._index, self._spec)
+            self._leaves = jtu.tree_leaves(self._value)
         return self._value
 
 

@@ -357,3 +357,32 @@ def test_a_configuration_jax_jit_keys_on_is_part_of_the_decision(wrapper):
         np.testing.assert_array_equal(y, expected)
     jax.effects_barrier()
     assert c.n == 3
+
+
+class Constant(eqx.Module):
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def table(self):
+        self.counter.tick()
+        return jnp.arange(64.0).reshape(8, 8) ** 2
+
+
+def test_decided_hits_where_the_first_argument_is_donated():
+    # `memox.filter_jit(donate="all")` donates the decided values with the first argument
+    # (every other input is then new at each call, but a method that reads no array is
+    # still decided on the host: its entries are the arrays the previous call returned).
+    # Where the backend deletes a donated value, `_decided._Value` reads it again.
+    c = Counter()
+
+    @memox.filter_jit(donate="all")
+    def step(m, x):
+        return memox.call(m, lambda m: m.table() @ x)
+
+    m = memox.init(Constant(c), Constant.table)
+    for _ in range(4):
+        y, m = step(m, jnp.ones(8))
+        assert "conditional" not in step.lower(m, jnp.ones(8)).compile().as_text()
+    np.testing.assert_array_equal(y, (jnp.arange(64.0).reshape(8, 8) ** 2).sum(axis=1))
+    assert c.n == 1 and memox.stats(m)["cache"].hits == 3
