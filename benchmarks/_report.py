@@ -252,6 +252,15 @@ def headline(results: dict, goals: dict[str, dict[str, Goal]]) -> list[dict]:
                     f"eager hit / (2 x direct call + 100 us), {where}",
                     e["eager memox.call hit"] / (2 * direct + 100),
                 )
+        by_mb = sweeps.get("value")
+        if by_mb:  # (records before 2026-11-28 have no value sweep)
+            calls = by_mb[max(by_mb, key=int)]["per_call_us"]
+            for v in ("memox.jit", "memox.filter_jit + memox.call", "eqx.filter_jit + memox.call"):
+                add(
+                    "12 scaling",
+                    f"{v} / hand-hoisted, largest value",
+                    calls[v] / calls["hand-hoisted"],
+                )
     # A declared goal that no row matches has lost its measure (a renamed variant).
     lost = [(k, m) for k, d in goals.items() if results.get(k) for m in d if (k, m) not in used]
     if lost:
@@ -413,9 +422,10 @@ def plot(record: dict, stem: Path) -> list[str]:
 
 
 def _scaling_plot(s12: dict, stem: Path) -> str:
-    """s12: µs per call against leaves and against slots, and first-call wall time."""
+    """s12: µs per call against leaves and against slots, first-call wall time, and a
+    hit's time against the hand-hoisted step's as the cached value grows."""
     sweeps = s12["metrics"]["sweeps"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.6))
     for ax, sweep in zip(axes[:2], ("leaves", "slots")):
         ns = sorted(sweeps[sweep], key=int)
         for v, marker in zip(sweeps[sweep][ns[0]]["per_call_us"], "osD^"):
@@ -439,6 +449,19 @@ def _scaling_plot(s12: dict, stem: Path) -> str:
     ax.set_xlabel("leaves or slots")
     ax.set_ylabel("first call (trace + compile) [s]")
     ax.set_title("s12: first call", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax = axes[3]
+    by_mb = sweeps.get("value", {})
+    mbs = sorted(by_mb, key=int)
+    for v, marker in zip(by_mb[mbs[0]]["per_call_us"] if mbs else (), "osD^"):
+        ys = [by_mb[n]["per_call_us"][v] / by_mb[n]["per_call_us"]["hand-hoisted"] for n in mbs]
+        ax.plot([int(n) for n in mbs], ys, marker + "-", label=v)
+    ax.axhline(1.05, color="gray", linestyle=":", label="goal 1.05")
+    ax.set_xscale("log")
+    ax.set_xlabel("cached value [MB]")
+    ax.set_ylabel("µs per call / hand-hoisted")
+    ax.set_title("s12: a hit as the cached value grows (matmul reads it)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, stem, "s12-scaling")
