@@ -46,19 +46,21 @@ class _Value:
     donated only where nothing else holds its arrays); `get` is called once a call has
     passed it, so it is alive. A value donated since (`memox.filter_jit(donate="all")`
     donates every input) is decoded again. Threads reading at once decode the same
-    immutable arrays, each to a value equal to the other's."""
+    immutable arrays, each to a value equal to the other's (the value and its leaves
+    are replaced as one pair)."""
 
     def __init__(self, table: Any, index: Any, spec: Spec, value: Any = None):
         self._table, self._index, self._spec = weakref.ref(table), index, spec
-        self._value, self._leaves = value, [] if value is None else jtu.tree_leaves(value)
+        self._known = None if value is None else (value, jtu.tree_leaves(value))
 
     def get(self) -> Any:
-        if self._value is None or any(x.is_deleted() for x in self._leaves):
+        known = self._known  # (one read: another thread may replace it)
+        if known is None or any(x.is_deleted() for x in known[1]):
             table = self._table()
             assert table is not None  # (a call passed it)
-            self._value = read_entry(table, self._index, self._spec)
-            self._leaves = jtu.tree_leaves(self._value)
-        return self._value
+            value = read_entry(table, self._index, self._spec)
+            known = self._known = (value, jtu.tree_leaves(value))
+        return known[0]
 
 
 # At most this many programs per signature specialised on hits decided on the host (the
