@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from . import _report
-from ._common import progress
+from ._common import matmul_peak, progress
 
 
 SCENARIOS = {
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         progress(f"{key} done in {time.perf_counter() - t0:.1f} s")
 
     env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    env["matmul_peak_gflops"] = matmul_peak() / 1e9  # (what `of matmul peak` divides by)
     record = {
         "date": datetime.date.today().isoformat(),
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -280,6 +280,14 @@ def markdown(record: dict, plots: list[str]) -> str:
         f"{env['loadavg_start']} at start, OPENBLAS_NUM_THREADS={env['OPENBLAS_NUM_THREADS']}.",
         "",
         "Every ratio is measured side by side in this run (variants interleaved, medians).",
+        *(
+            [
+                f"`of matmul peak`: achieved FLOP/s over a plain float32 matrix product's on this "
+                f"device, {peak:.1f} GFLOP/s."
+            ]
+            if (peak := env.get("matmul_peak_gflops"))
+            else []
+        ),
         "",
         "## Headline",
         "",

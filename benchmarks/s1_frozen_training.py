@@ -56,6 +56,7 @@ from ._common import (
     first_call,
     flops_of,
     interleaved,
+    matmul_peak,
     median,
     programs,
     progress,
@@ -416,6 +417,7 @@ def run(size: dict) -> dict:
                 "loop wall / hand": wall[name] / wall[HAND],
                 "median step / hand": med[name] / med[HAND],
                 "GFLOP/s": rate(total[name], wall[name]) / 1e9,
+                "of matmul peak": rate(total[name], wall[name]) / matmul_peak(),
             }
         )
     for name, t in scan_times.items():

@@ -34,6 +34,7 @@ from ._common import (
     first_call,
     flops_of,
     interleaved,
+    matmul_peak,
     median,
     programs,
     progress,
@@ -152,6 +153,7 @@ def run(size: dict) -> dict:
             "median call [ms]": 1e3 * med[name],
             "call / hand": med[name] / med[HAND],
             "GFLOP/s": rate(per_call[name], med[name]) / 1e9,
+            "of matmul peak": rate(per_call[name], med[name]) / matmul_peak(),
         }
         for name in fns
     ]
