@@ -19,7 +19,15 @@ wrapper, `_decided.Hits`, and gone with the wrapper).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import jax
+import jax.tree_util as jtu
+
+
+if TYPE_CHECKING:
+    import jax.core  # imported by `jax` at run time; checkers see it only where imported
 
 
 class Cache(dict):
@@ -40,6 +48,34 @@ class Cache(dict):
             self.clear()
         self[key] = value
         return value
+
+
+class ByIdentity:
+    """Values by the identity of their key, held weakly: the one put last for each key,
+    while the key lives and none of the value's arrays was deleted since (donated).
+    Registered under `name` where process-wide (a wrapper's own table is not)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+        if name is not None:
+            register(name, self._entries)
+
+    def get(self, key: Any) -> Any | None:
+        entry = self._entries.get(id(key))
+        if entry is None or entry[0]() is not key:
+            return None
+        value = entry[1]
+        for x in jtu.tree_leaves(value):
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+                return None
+        return value
+
+    def put(self, key: Any, value: Any) -> None:
+        try:
+            ref = weakref.ref(key, lambda _, k=id(key): self._entries.pop(k, None))
+        except TypeError:  # not weakly referenceable (a tuple): not kept
+            return
+        self._entries[id(key)] = (ref, value)
 
 
 @runtime_checkable

@@ -42,8 +42,9 @@ import jax
 import jax.tree_util as jtu
 
 from . import _decided, _errors, _prehash
+from ._caches import ByIdentity
 from ._call import changed_slots, check_fn, check_module, run
-from ._lifecycle import ByIdentity, allocated
+from ._lifecycle import allocated
 from ._partition import Signature, Signatures, refilled, with_entries, without_entries
 from ._sites import slots
 from ._table import entry_leaves

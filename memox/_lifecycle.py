@@ -5,7 +5,6 @@ invalidated (`memox.clear`, `memox.invalidate`, inside a call too) and emptied
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Concatenate, overload
 
 import equinox as eqx
@@ -13,9 +12,8 @@ import jax.tree_util as jtu
 
 from . import _context, _errors
 from ._cached import CachedMethod, MethodArg, method_for
-from ._caches import register
+from ._caches import ByIdentity
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
-from ._fingerprint import is_concrete_array
 from ._sites import SlotSite, replace_slots, slot_sites, slots
 from ._slot import Memo, is_empty, is_memo
 from ._table import allocate_like, emptied, invalidated, mesh_of
@@ -188,34 +186,6 @@ def strip(module: M) -> M:
 # -- allocation before a compiled wrapper's first trace ---------------------------------
 
 
-class ByIdentity:
-    """Modules by identity, held weakly: the one given last for each, while its slots
-    are usable (none donated since; a slot still empty, such as one keyed by arguments,
-    is as allocation would leave it)."""
-
-    def __init__(self, name: str | None = None) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-        if name is not None:  # a process-wide table (not a wrapper's own)
-            register(name, self._entries)
-
-    def get(self, key: Any) -> Any | None:
-        entry = self._entries.get(id(key))
-        if entry is None or entry[0]() is not key:
-            return None
-        value = entry[1]
-        for x in jtu.tree_leaves(value):
-            if is_concrete_array(x) and x.is_deleted():
-                return None
-        return value
-
-    def put(self, key: Any, value: Any) -> None:
-        try:
-            ref = weakref.ref(key, lambda _, k=id(key): self._entries.pop(k, None))
-        except TypeError:  # not weakly referenceable (a tuple): not kept
-            return
-        self._entries[id(key)] = (ref, value)
-
-
 class _Mirror:
     """A `Memo` node that a filter emptied (`None` leaves), hidden from allocation."""
 
@@ -247,6 +217,9 @@ def allocated(tree: Any) -> Any:
     return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
 
 
+# A module's allocated version, by the module's identity, while its slots are usable
+# (none donated since; a slot still empty, such as one keyed by arguments, is as
+# allocation would leave it).
 _allocated = ByIdentity("allocated modules")
 
 

@@ -46,7 +46,7 @@ from ._policy import fresh
 from ._sites import Path, path_name
 from ._slot import Memo, is_memo
 from ._storage import as_data, pack, retyped, strong, unpack
-from ._table import conformed, entry, holding, lookup, passed_on, stored, touched
+from ._table import conformed, entry, entry_kept, holding, lookup, passed_on, stored
 
 
 if TYPE_CHECKING:
@@ -184,15 +184,17 @@ class Memoised:
                 lambda *o: self.miss(nested, *o),
                 *operands[1:],
             )
-        else:
+        else:  # eagerly
             slot, sub, index = (self.hit if bool(hit) else self.miss)(*operands)
+            return entry_kept(slot, index, spec), slot, sub
         return entry(slot, index, spec), slot, sub
 
     # The branches return the slot, never the value: on a hit the table passes through
-    # (no copy where its buffer is donated, as `memox.jit` does), and the value is read
-    # from the table after the branch, where XLA can fuse the read into its consumers.
+    # (no copy where its buffer is donated, as `memox.jit` does; eagerly the very arrays),
+    # and the value is read from the table after the branch, where XLA can fuse the read
+    # into its consumers.
     def hit(self, nested, index, deps, others, arg_arrays, slot, sub, key):
-        return touched(slot, index), sub, index
+        return passed_on(slot, index), sub, index
 
     def miss(self, nested, index, deps, others, arg_arrays, slot, sub, key):
         value, sub = self.compute(nested, deps, others, arg_arrays, sub, caching=True)

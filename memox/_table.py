@@ -27,6 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from . import _errors, _jax_internals
+from ._caches import ByIdentity
 from ._fingerprint import is_concrete_array
 from ._key import explicit_sharding
 from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of
@@ -132,6 +133,24 @@ def entry(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
     return read_entry(slot.value, index, spec)
 
 
+# A value table -> the entry read last and its value, decoded (see `entry_kept`).
+_DECODED = ByIdentity("decoded entries")
+
+
+def entry_kept(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
+    """`entry` of a concrete slot (an eager call): decoded once per value table and entry,
+    and kept while the table lives, so that a hit reads it with no copy (a hit passes the
+    table on as it is: `passed_on`). The value is the same array at every hit; one
+    deleted since (donated) is decoded again."""
+    i = int(index)
+    found = _DECODED.get(slot.value)
+    if found is not None and found[0] == i and found[1] == spec:
+        return found[2]
+    value = entry(slot, index, spec)
+    _DECODED.put(slot.value, (i, spec, value))
+    return value
+
+
 @jax.jit
 def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
     """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
@@ -149,22 +168,18 @@ def _clock(slot: Memo) -> Array:
 
 
 @jax.jit
-def touched(slot: Memo, index: Array) -> Memo:
-    """`slot` after a hit on entry `index`."""
-    return dataclasses.replace(
-        slot,
-        age=slot.age.at[index].add(1),
-        used=slot.used.at[index].set(_clock(slot)),
-        hits=slot.hits + 1,
-    )
+def _hit_counters(age: Array, used: Array, hits: Array, misses: Array, index: Array) -> tuple:
+    """The counters a hit on entry `index` moves: the entry's age and last use, the hits."""
+    return age.at[index].add(1), used.at[index].set(hits + misses), hits + 1
 
 
 def passed_on(slot: Memo, index: Array) -> Memo:
-    """`slot` after a hit on entry `index` read without a check (a pinned slot of
-    `memox.scan`'s loop, a hit decided on the host): counters touched, what a hit leaves
-    unchanged (the entries, the misses) passed on as the very arrays that came in."""
-    after = touched(slot, index)  # (jitted: its outputs are new arrays)
-    return dataclasses.replace(after, **{f: getattr(slot, f) for f in HIT_UNCHANGED})
+    """`slot` after a hit on entry `index`: its counters moved, and what a hit leaves
+    unchanged (the entries, the misses) passed on as the very arrays that came in. Only
+    the counters go through a computation: eagerly, a jitted function of the whole slot
+    would copy its tables into new outputs at every hit."""
+    age, used, hits = _hit_counters(slot.age, slot.used, slot.hits, slot.misses, index)
+    return dataclasses.replace(slot, age=age, used=used, hits=hits)
 
 
 def entry_leaves(slot: Memo) -> list[Array]:

@@ -303,3 +303,55 @@ def test_slot_stats_leaves_are_the_counts():
     assert jax.tree.map(lambda _: None, s).hits is None
     shapes = jax.eval_shape(lambda s: s, jax.tree.map(jnp.int32, s))
     assert shapes.hits == jax.ShapeDtypeStruct((), jnp.int32) and shapes.flops == 8
+
+
+class Big(eqx.Module):
+    w: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def normalised(self):
+        self.counter.tick()
+        return self.w / jnp.linalg.norm(self.w, axis=1, keepdims=True)
+
+
+def test_an_eager_hit_copies_no_table_and_reads_the_value_once(monkeypatch):
+    # Regression: an eager hit ran a jitted function of the whole slot (XLA copied every
+    # table into its outputs) and decoded the value from the table again: 120 ms per hit
+    # on a 64 MB value. Now the tables pass on as the very arrays, and the value is
+    # decoded once per table and entry.
+    reads = Counter()
+    read_entry = memox._table.read_entry
+
+    def counted(*args):
+        reads.tick()
+        return read_entry(*args)
+
+    monkeypatch.setattr(memox._table, "read_entry", counted)
+    c = Counter()
+    m = Big(jax.random.normal(jax.random.key(0), (64, 32)), c)
+    first, m = memox.call(m, Big.normalised)
+    tables = [getattr(m.cache, f) for f in ("value", "valid", "key", "misses")]
+    values = []
+    for _ in range(3):
+        y, m = memox.call(m, Big.normalised)
+        values.append(y)
+    assert all(
+        getattr(m.cache, f) is x for f, x in zip(("value", "valid", "key", "misses"), tables)
+    )
+    assert first is values[0] is values[1] is values[2]
+    expected = np.asarray(first).copy()
+    np.testing.assert_allclose(expected, m.w / jnp.linalg.norm(m.w, axis=1, keepdims=True))
+    assert c.n == 1 and reads.n == 1
+    assert memox.stats(m)["cache"] == memox.SlotStats(hits=3, misses=1)
+    # A value the caller deleted (as a donation does) is decoded again, not returned.
+    first.delete()
+    y, m = memox.call(m, Big.normalised)
+    np.testing.assert_array_equal(y, expected)
+    assert c.n == 1 and reads.n == 2
+    # A new dependency is a miss: the new table is read, not the old one's value.
+    m = eqx.tree_at(lambda m: m.w, m, 2 * m.w + 1)
+    y, m = memox.call(m, Big.normalised)
+    np.testing.assert_allclose(y, m.w / jnp.linalg.norm(m.w, axis=1, keepdims=True), rtol=1e-6)
+    assert c.n == 2
