@@ -253,14 +253,17 @@ def headline(results: dict, goals: dict[str, dict[str, Goal]]) -> list[dict]:
                     e["eager memox.call hit"] / (2 * direct + 100),
                 )
         by_mb = sweeps.get("value")
-        if by_mb:  # (records before 2026-11-28 have no value sweep)
-            calls = by_mb[max(by_mb, key=int)]["per_call_us"]
+        if by_mb:  # (records before 2026-11-28 have no value sweep; its eager hit since)
+            largest, smallest = by_mb[max(by_mb, key=int)], by_mb[min(by_mb, key=int)]
+            calls = largest["per_call_us"]
             for v in ("memox.jit", "memox.filter_jit + memox.call", "eqx.filter_jit + memox.call"):
                 add(
                     "12 scaling",
                     f"{v} / hand-hoisted, largest value",
                     calls[v] / calls["hand-hoisted"],
                 )
+            eager = largest["eager_hit_us"] / smallest["eager_hit_us"]
+            add("12 scaling", "eager hit, largest / smallest value", eager)
     # A declared goal that no row matches has lost its measure (a renamed variant).
     lost = [(k, m) for k, d in goals.items() if results.get(k) for m in d if (k, m) not in used]
     if lost:

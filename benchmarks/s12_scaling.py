@@ -11,7 +11,8 @@ the cost of memox's per-call work as the model grows, not the model's own.
   weight) read by a matrix product with a `1024 x 64` batch: the cost of a hit as the
   cached value grows, against the hand-hoisted step (`jax.jit` of the product, taking
   the normalised weight computed once by the caller). Reading the value must cost
-  nothing more than the hand-hoisted step's own read of it.
+  nothing more than the hand-hoisted step's own read of it; an eager `memox.call` hit
+  must cost the same at every size.
 
 Variants, each threading what it returns: `memox.jit` (hits decided on the host after
 the first call), `memox.filter_jit` + `memox.call` (the user's step returning the
@@ -83,7 +84,14 @@ GOALS = {
         "(9.8 s -> 3.9 s at 100 slots) but compiles one more program in every loop whose "
         "parameters change (the checking program at the second call): not adopted",
     ),
-    "memox.jit / hand-hoisted, largest value": Goal("<=", 1.05),
+    "memox.jit / hand-hoisted, largest value": Goal(
+        "<=",
+        1.05,
+        "host-side work per call (taking the call apart, deciding the hit: 0.1-0.3 ms), "
+        "not the program (the hand-hoisted step's, the value a parameter, plus the slot's "
+        "counters): it weighs where the product is short (the quick sizes), not at 64 MB",
+    ),
+    "eager hit, largest / smallest value": Goal("<=", 1.5),
     "memox.filter_jit + memox.call / hand-hoisted, largest value": Goal(
         "<=",
         1.05,
@@ -254,7 +262,9 @@ def measure_value(mb: int, rounds: int) -> dict:
     for name in state:  # every variant hits
         assert int(memox.stats(state[name])["cache"].hits) >= 2, (name, memox.stats(state[name]))
     per_call = {n: 1e6 * median(ts) for n, ts in interleaved(fns, rounds, 3).items()}
-    return {"per_call_us": per_call}
+    filled = state["memox.jit"]
+    eager = [timed(lambda: memox.call(filled, Normed.normalised)[0])[1] for _ in range(rounds)]
+    return {"per_call_us": per_call, "eager_hit_us": 1e6 * median(eager)}
 
 
 def run(size: dict) -> dict:
@@ -271,8 +281,9 @@ def run(size: dict) -> dict:
         progress(f"  s12 {size['slot_leaves']} leaves, {n} slots: {_summary(sweeps['slots'][n])}")
     for mb in size["value_mb"]:
         sweeps["value"][mb] = measure_value(mb, size["rounds"])
-        calls = ", ".join(f"{n} {us:.0f}" for n, us in sweeps["value"][mb]["per_call_us"].items())
-        progress(f"  s12 a {mb} MB value: us per call: {calls}")
+        m = sweeps["value"][mb]
+        calls = ", ".join(f"{n} {us:.0f}" for n, us in m["per_call_us"].items())
+        progress(f"  s12 a {mb} MB value: us per call: {calls}; eager hit {m['eager_hit_us']:.0f}")
     rows = []
     for sweep, by_n in sweeps.items():
         for n, m in by_n.items():
@@ -297,7 +308,8 @@ def run(size: dict) -> dict:
             "4x4 layers: every call is dispatch-bound, so the ratios are memox's per-call "
             "work against Equinox's own.",
             "The value sweep's reference is the hand-hoisted step (the normalised weight "
-            "computed once by the caller, passed to a jitted matrix product).",
+            "computed once by the caller, passed to a jitted matrix product); its eager hit "
+            "is memox.call of the cached method on the filled model, outside any jit.",
             "Every memox variant is checked to hit before timing.",
         ],
     }
