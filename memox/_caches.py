@@ -3,12 +3,13 @@
 
 Every cache here remembers a pure function of its key: the plan of a method on a static
 key, a static key per tree skeleton, the token of a function or class, the layout of a
-tree structure, the fingerprint of an immutable array. Dropping an entry therefore costs
-only its recomputation (a miss, a plan traced again), never a wrong value. A `Cache`
-holds at most `max_size` entries and starts afresh when full, so a long-running process
-that makes ever new models (classes defined in a function, methods of fresh closures)
-holds at most the sum of the bounds. Tables that hold their keys weakly (fingerprints by
-array identity) register their own `clear`; they shrink by themselves as their keys are
+tree structure, the fingerprint of an immutable array, the value an entry of an
+immutable value table holds. Dropping an entry therefore costs only its recomputation (a
+miss, a plan traced again), never a wrong value. A `Cache` holds at most `max_size`
+entries and starts afresh when full, so a long-running process that makes ever new
+models (classes defined in a function, methods of fresh closures) holds at most the sum
+of the bounds. Tables that hold their keys weakly (fingerprints by array identity,
+`ByIdentity`) register their own `clear`; they shrink by themselves as their keys are
 collected.
 
 What is not here is state, not a cache: the per-thread stacks of the call being run

@@ -33,7 +33,7 @@ from ._caches import Cache
 from ._donation import hand_over, shared
 from ._fingerprint import is_concrete_array
 from ._sites import layout as layout_of, replace_slots, with_nodes
-from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of
+from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of, replaced
 from ._table import copied
 
 
@@ -362,23 +362,13 @@ def without_entries(slot: Memo) -> Memo:
     """`slot` with what a hit leaves unchanged `None` (its entries, its misses): what
     leaves the compiled function for a slot whose hit was decided on the host (those are
     the caller's arrays, given back)."""
-    return _replaced(slot, dict.fromkeys(HIT_UNCHANGED))
+    return replaced(slot, dict.fromkeys(HIT_UNCHANGED))
 
 
 def with_entries(slot: Memo, entries: list[Any]) -> Memo:
     """`slot` (from `without_entries`) with `entries` (`entry_leaves` of the slot passed
     in; without the snapshot, last, where it is unused) put back."""
-    return _replaced(slot, dict(zip(HIT_UNCHANGED, entries)))
-
-
-def _replaced(slot: Memo, fields: dict[str, Any]) -> Memo:
-    """A copy of `slot` with `fields` replaced, its converters and checks not run again
-    (as `jtu.tree_unflatten` makes a module)."""
-    new = object.__new__(type(slot))
-    target = object.__getattribute__(new, "__dict__")
-    target.update(object.__getattribute__(slot, "__dict__"))
-    target.update(fields)
-    return new
+    return replaced(slot, dict(zip(HIT_UNCHANGED, entries)))
 
 
 def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:

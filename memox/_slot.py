@@ -229,6 +229,17 @@ def fields_of(slot: Memo) -> dict[str, Any]:
     return object.__getattribute__(slot, "__dict__")
 
 
+def replaced(slot: Memo, fields: dict[str, Any]) -> Memo:
+    """A copy of `slot` with `fields` replaced, its converters and checks not run again
+    (as `jtu.tree_unflatten` makes a module; `dataclasses.replace` runs Equinox's
+    `__init__`): memox's own changes to a slot's arrays."""
+    new = object.__new__(type(slot))
+    target = object.__getattribute__(new, "__dict__")
+    target.update(fields_of(slot))
+    target.update(fields)
+    return new
+
+
 def leaves_of(slot: Memo) -> list[Any]:
     """`jtu.tree_leaves(slot)` of a slot whose fields are leaves or `None` (as every slot
     a compiled wrapper returns), without Equinox's flatten."""

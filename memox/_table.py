@@ -30,7 +30,7 @@ from . import _errors, _jax_internals
 from ._caches import ByIdentity
 from ._fingerprint import is_concrete_array
 from ._key import explicit_sharding
-from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of
+from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of, replaced
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -179,7 +179,7 @@ def passed_on(slot: Memo, index: Array) -> Memo:
     the counters go through a computation: eagerly, a jitted function of the whole slot
     would copy its tables into new outputs at every hit."""
     age, used, hits = _hit_counters(slot.age, slot.used, slot.hits, slot.misses, index)
-    return dataclasses.replace(slot, age=age, used=used, hits=hits)
+    return replaced(slot, {"age": age, "used": used, "hits": hits})
 
 
 def entry_leaves(slot: Memo) -> list[Array]:
