@@ -442,26 +442,16 @@ def _scaling_plot(s12: dict, stem: Path) -> str:
         for v, marker in zip(sweeps[sweep][ns[0]]["per_call_us"], "osD^"):
             ys = [sweeps[sweep][n]["per_call_us"][v] for n in ns]
             ax.plot([int(n) for n in ns], ys, marker + "-", label=v)
-        ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(sweep)
-        ax.set_ylabel("median µs per call")
         fixed = "1 slot" if sweep == "leaves" else f"{s12['sizes']['slot_leaves']} leaves"
-        ax.set_title(f"s12: µs per call vs {sweep} ({fixed})", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        _log_x_panel(ax, sweep, "median µs per call", f"s12: µs per call vs {sweep} ({fixed})")
     ax = axes[2]
     for sweep, style in (("leaves", "o-"), ("slots", "s--")):
         ns = sorted(sweeps[sweep], key=int)
         for v in ("memox.jit", _S12_REF):
             ys = [sweeps[sweep][n]["first_call_s"][v] for n in ns]
             ax.plot([int(n) for n in ns], ys, style, label=f"{v} ({sweep})")
-    ax.set_xscale("log")
-    ax.set_xlabel("leaves or slots")
-    ax.set_ylabel("first call (trace + compile) [s]")
-    ax.set_title("s12: first call", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _log_x_panel(ax, "leaves or slots", "first call (trace + compile) [s]", "s12: first call")
     ax = axes[3]
     by_mb = sweeps.get("value", {})
     mbs = sorted(by_mb, key=int)
@@ -469,13 +459,19 @@ def _scaling_plot(s12: dict, stem: Path) -> str:
         ys = [by_mb[n]["per_call_us"][v] / by_mb[n]["per_call_us"]["hand-hoisted"] for n in mbs]
         ax.plot([int(n) for n in mbs], ys, marker + "-", label=v)
     ax.axhline(1.05, color="gray", linestyle=":", label="goal 1.05")
+    title = "s12: a hit as the cached value grows (matmul reads it)"
+    _log_x_panel(ax, "cached value [MB]", "µs per call / hand-hoisted", title)
+    return _save(fig, stem, "s12-scaling")
+
+
+def _log_x_panel(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """A panel's x axis in log scale, its labels, title, grid and legend."""
     ax.set_xscale("log")
-    ax.set_xlabel("cached value [MB]")
-    ax.set_ylabel("µs per call / hand-hoisted")
-    ax.set_title("s12: a hit as the cached value grows (matmul reads it)", fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, stem, "s12-scaling")
 
 
 def _wall_panels(sc: dict) -> list[tuple[str, str, dict]]:

@@ -26,6 +26,9 @@ direct eager call of the unmemoized method.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -154,46 +157,58 @@ def chain(leaves: int, slots: int) -> Chain:
     )
 
 
+def placements(model: Any, forward: Callable, x: Array) -> tuple[dict, dict, Callable]:
+    """Each memox placement of `forward(model, x)`, threading its own model: the calls (no
+    arguments), the models they thread (by placement), and the `memox.jit` step."""
+    memox_jit = memox.jit(forward)
+
+    @memox.filter_jit
+    def memox_filter_jit(m, x):
+        return memox.call(m, lambda m: forward(m, x))
+
+    steps = {
+        "memox.jit": memox_jit,
+        "memox.filter_jit + memox.call": memox_filter_jit,
+        "eqx.filter_jit + memox.call": eqx.filter_jit(
+            lambda m, x: memox.call(m, lambda m: forward(m, x))
+        ),
+    }
+    state = {name: model for name in steps}
+    state["eqx.filter_jit + memox.call"] = memox.init(model)
+
+    def threaded(name: str) -> Callable:
+        def call():
+            y, state[name] = steps[name](state[name], x)
+            return y
+
+        return call
+
+    return {name: threaded(name) for name in steps}, state, memox_jit
+
+
+def warmed(fns: dict, state: dict, hits: int) -> None:
+    """Compile every variant (both programs of memox's wrappers), then check that each
+    memox placement hits (`hits` at least)."""
+    for fn in fns.values():
+        for _ in range(3):
+            timed(fn)
+    for name, model in state.items():
+        found = sum(int(s.hits) for s in memox.stats(model).values())
+        assert found >= hits, (name, memox.stats(model))
+
+
 def measure(leaves: int, slots: int, rounds: int) -> dict:
     """Median µs per call of each variant, the first calls' wall times, and the eager
     hit against the direct call, on a chain of `leaves` leaves with `slots` slots."""
     x = jnp.ones(4)
     model = chain(leaves, slots)
-    memox_jit = memox.jit(lambda m, x: m(x))
-
-    @memox.filter_jit
-    def memox_filter_jit(m, x):
-        return memox.call(m, lambda m: m(x))
-
-    eqx_memox = eqx.filter_jit(lambda m, x: memox.call(m, lambda m: m(x)))
+    fns, state, memox_jit = placements(model, lambda m, x: m(x), x)
     reference = eqx.filter_jit(lambda m, x: m.plain(x))
-    state = {"memox.jit": model, "memox.filter_jit + memox.call": model}
-    state["eqx.filter_jit + memox.call"] = memox.init(model)
     first = {}
     _, first["memox.jit"] = first_call(lambda: memox_jit(model, x))
     _, first[REFERENCE] = first_call(lambda: reference(model, x))
-
-    def threaded(name, step):
-        def call():
-            y, state[name] = step(state[name], x)
-            return y
-
-        return call
-
-    fns = {
-        "memox.jit": threaded("memox.jit", memox_jit),
-        "memox.filter_jit + memox.call": threaded(
-            "memox.filter_jit + memox.call", memox_filter_jit
-        ),
-        "eqx.filter_jit + memox.call": threaded("eqx.filter_jit + memox.call", eqx_memox),
-        REFERENCE: lambda: reference(model, x),
-    }
-    for fn in fns.values():  # compile (both programs of memox's wrappers)
-        for _ in range(3):
-            timed(fn)
-    for name in state:  # every variant hits
-        hits = sum(int(s.hits) for s in memox.stats(state[name]).values())
-        assert hits >= 2 * slots, (name, memox.stats(state[name]))
+    fns[REFERENCE] = lambda: reference(model, x)
+    warmed(fns, state, 2 * slots)
     per_call = {n: 1e6 * median(ts) for n, ts in interleaved(fns, rounds, 3).items()}
 
     filled = state["memox.jit"]
@@ -222,45 +237,17 @@ class Normed(eqx.Module):
 
 
 def measure_value(mb: int, rounds: int) -> dict:
-    """Median µs per call of each variant reading a cached value of `mb` MB (a hit),
-    and of the hand-hoisted step."""
+    """Median µs per call of each variant reading a cached value of `mb` MB (a hit), of
+    the hand-hoisted step, and of an eager hit."""
     rows = mb * (1 << 20) // (4 * 1024)
     kw, kx = jax.random.split(jax.random.key(1))
     model = Normed(jax.random.normal(kw, (rows, 1024)))
     x = jax.random.normal(kx, (1024, 64))
-    memox_jit = memox.jit(lambda m, x: m.normalised() @ x)
-
-    @memox.filter_jit
-    def memox_filter_jit(m, x):
-        return memox.call(m, lambda m: m.normalised() @ x)
-
-    eqx_memox = eqx.filter_jit(lambda m, x: memox.call(m, lambda m: m.normalised() @ x))
+    fns, state, _ = placements(model, lambda m, x: m.normalised() @ x, x)
     hand = jax.jit(lambda v, x: v @ x)
     normed = jax.jit(Normed.normalised.__wrapped__)(model)
-    state = {"memox.jit": model, "memox.filter_jit + memox.call": model}
-    state["eqx.filter_jit + memox.call"] = memox.init(model)
-
-    def threaded(name, step):
-        def call():
-            y, state[name] = step(state[name], x)
-            return y
-
-        return call
-
-    fns = {
-        name: threaded(name, step)
-        for name, step in [
-            ("memox.jit", memox_jit),
-            ("memox.filter_jit + memox.call", memox_filter_jit),
-            ("eqx.filter_jit + memox.call", eqx_memox),
-        ]
-    }
     fns[HAND] = lambda: hand(normed, x)
-    for fn in fns.values():  # compile (both programs of memox's wrappers)
-        for _ in range(3):
-            timed(fn)
-    for name in state:  # every variant hits
-        assert int(memox.stats(state[name])["cache"].hits) >= 2, (name, memox.stats(state[name]))
+    warmed(fns, state, 2)
     per_call = {n: 1e6 * median(ts) for n, ts in interleaved(fns, rounds, 3).items()}
     filled = state["memox.jit"]
     eager = [timed(lambda: memox.call(filled, Normed.normalised)[0])[1] for _ in range(rounds)]
