@@ -21,14 +21,11 @@ wrapper, `_decided.Hits`, and gone with the wrapper).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-import jax
 import jax.tree_util as jtu
 
-
-if TYPE_CHECKING:
-    import jax.core  # imported by `jax` at run time; checkers see it only where imported
+from ._jax_internals import is_concrete_array
 
 
 class Cache(dict):
@@ -67,7 +64,7 @@ class ByIdentity:
             return None
         value = entry[1]
         for x in jtu.tree_leaves(value):
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            if is_concrete_array(x) and x.is_deleted():
                 return None
         return value
 

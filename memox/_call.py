@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from . import _context, _errors, _jax_internals, _ledger
 from ._cached import method_for
 from ._context import separated
-from ._fingerprint import is_concrete_array
+from ._jax_internals import is_concrete_array
 from ._plan import plan_without_arguments
 from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites
 from ._slot import Memo, is_memo

@@ -33,7 +33,8 @@ import jax.tree_util as jtu
 
 from . import _jax_internals, _prehash
 from ._errors import INNER_TRANSFORM
-from ._fingerprint import array_fingerprint, is_concrete_array, known
+from ._fingerprint import array_fingerprint, known
+from ._jax_internals import is_concrete_array
 from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites, slots
 from ._slot import ENTRY_FIELDS, Memo
 from ._storage import Spec

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 import jax.tree_util as jtu
 
 from . import _jax_internals
-from ._fingerprint import across_processes, is_concrete_array
+from ._fingerprint import across_processes
+from ._jax_internals import is_concrete_array
 from ._slot import Memo
 from ._storage import Spec
 from ._table import entry_leaves, read_entry

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from ._fingerprint import is_concrete_array
+from ._jax_internals import is_concrete_array
 from ._slot import Memo
 
 

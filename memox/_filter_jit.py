@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _decided, _prehash
-from ._fingerprint import is_concrete_array
+from ._jax_internals import is_concrete_array
 from ._lifecycle import allocated_once
 from ._partition import ARRAY, hashable_combine, hashable_partition
 from ._slot import EMPTY, Memo, is_memo

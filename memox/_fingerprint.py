@@ -79,6 +79,7 @@ from jaxtyping import Array, UInt32
 
 from . import _jax_internals
 from ._caches import register
+from ._jax_internals import is_concrete_array
 from ._storage import Bits, as_data, to_bits
 
 
@@ -260,11 +261,6 @@ class _Known:
 
 
 known = _Known()
-
-
-def is_concrete_array(x: object) -> bool:
-    """Whether `x` is an immutable array with a value now (not a tracer, not NumPy)."""
-    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def across_processes(arrays: Sequence[Any]) -> bool:

@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 _LOOP_BODIES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
 
 
+def is_concrete_array(x: object) -> bool:
+    """Whether `x` is an immutable array with a value now (not a tracer, not NumPy)."""
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
 def hide_from_tracebacks(path: str) -> None:
     """Leave the files under `path` out of the tracebacks JAX filters (as Equinox does
     for its own): a user's error inside `jit` shows their code, not memox's frames."""

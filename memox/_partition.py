@@ -31,7 +31,7 @@ import numpy as np
 
 from ._caches import Cache
 from ._donation import hand_over, shared
-from ._fingerprint import is_concrete_array
+from ._jax_internals import is_concrete_array
 from ._sites import layout as layout_of, replace_slots, with_nodes
 from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of, replaced
 from ._table import copied

@@ -50,7 +50,8 @@ from jax import lax
 
 from . import _jax_internals
 from ._decided import Claim, Claims, Decided, Held
-from ._fingerprint import across_processes, array_fingerprint, is_concrete_array, known
+from ._fingerprint import across_processes, array_fingerprint, known
+from ._jax_internals import is_concrete_array
 from ._slot import Memo
 from ._storage import Spec
 from ._table import entry_leaves

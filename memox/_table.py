@@ -28,7 +28,7 @@ from jaxtyping import Array, PyTree
 
 from . import _errors, _jax_internals
 from ._caches import ByIdentity
-from ._fingerprint import is_concrete_array
+from ._jax_internals import is_concrete_array
 from ._key import explicit_sharding
 from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of, replaced
 from ._storage import Spec, decode, encode, storage_struct
