@@ -1,28 +1,40 @@
-"""Tokens of non-array parts: exact, canonical where provable.
+"""Tokens of non-array parts: by content, exact, canonical where provable.
 
 The static key (`_key.py`) takes each non-array part (the method and its policy, tree
 structures with their static fields, non-array leaves and arguments) by its *token*: a
 value made of `None`, `bool`, `int`, `str`, `bytes`, tuples and frozensets, equal for
-two parts exactly when memox may treat them as the same, by one rule in every process:
+two parts exactly when memox may treat them as the same, by one rule in every process.
+A part is keyed by its content first; a name is never its identity where it can be
+rebound (a variable set in a loop at the top of a script, a function redefined when a
+notebook cell runs again):
 
 - plain values by type and value: floats and complex numbers by their bits (`-0.0` is
-  not `0.0`, NaN payloads differ), `True` is not `1`; tuples, lists, dicts and sets
-  element by element; NumPy arrays and scalars by dtype, shape and bytes; dtypes;
+  not `0.0`, NaN payloads differ), `True` is not `1`; tuples, lists and sets element by
+  element, dicts pair by pair in their order (iterating one shows it); NumPy and JAX
+  arrays and scalars by their class, dtype, shape, weak type and bytes; dtypes;
 - dataclass instances and NamedTuples field by field, with their type; enum members;
-  `functools.partial`s by function and arguments; a `jax.Device` by platform and id;
-  JAX's own objects (a `Mesh`, a `PartitionSpec`, a `NamedSharding`) by their pickle
-  reduction, where rebuilding from it gives the object back (proven on each encoding:
-  no list of their fields to go stale when JAX adds one);
-- functions and classes importable under their qualified name, and objects bound to a
-  name in the module that defines their class (a sentinel), by that name;
-- any other function (a lambda, a closure, a function defined in a function) by its
-  *code*: its module and qualified name, its code object (bytecode, constants, names,
-  nested code objects, recursively; no line numbers), its defaults and keyword
-  defaults, the tokens of what its closure cells hold and of the module globals it
-  reads (by the names its code, nested code included, refers to); a class defined in a
-  function by its module, qualified name, metaclass, bases and the tokens of its own
-  attributes (its methods by code, as above). A cycle (a recursive closure, a method
-  using `super()`) is a back-reference. Computed once per function or class object;
+  `functools.partial`s by their type, function, arguments and keywords in order; a
+  `functools.cache`d function by its function; type variables by name, bound and
+  variance; unions (`int | None`) by their members; memox's own objects (a cached
+  method) by the parts they name (`__memox_token_parts__`); a `jax.Device` by platform
+  and id; JAX's and memox's own objects and `typing`'s aliases (a `Mesh`, a
+  `NamedSharding`, `Memo[Array]`) by their pickle reduction, where rebuilding from it
+  gives the object back (proven on each encoding: no list of their fields to go stale);
+- the user's functions and classes (any code not installed: `__main__`, a script, a
+  package installed for editing), at module level too, by their *code*: a function by
+  its module and qualified name, its code object (bytecode, constants, names, nested
+  code objects; no line numbers), its defaults, the tokens of what its closure cells
+  hold and of the module globals it reads (by the names its code refers to); a class
+  by its module, qualified name, metaclass, bases and the tokens of its own attributes
+  (its methods by code). A cycle (a recursive function, a method using `super()`,
+  functions that call each other) is a back-reference, and the walk emits each object
+  of a cycle once. A digest of the bytes, computed once per function or class object;
+- installed code (built into Python, the standard library, site-packages, memox): its
+  functions and classes by their importable name, and an object bound in the module
+  that defines its class (a sentinel such as `dataclasses.MISSING`) by that name. Such
+  code is not edited while it runs and is the same in every process of a program; a
+  name is given to one object per process, never to a second. (Walking it by content
+  would read its module state, locks and registries, and cost a walk of the library.)
 - anything else through this process's table (`_Local`): an object of a class with its
   own `__eq__` by equality with its type (the semantics `jax.jit` gives static
   arguments; unhashable: refused, as `jax.jit` refuses it), any other object (an
@@ -35,12 +47,11 @@ same thing: equal code is as safe a reason to reuse a value as identity (what
 `jax.jit` keys a static function on), and unlike identity it is the same in every
 process and every run, so a slot restored from a checkpoint hits only where the
 function reads the same values (a module constant changed between runs: a miss). What
-is kept out: line numbers and file names (they change no result), and a global rebound
-after the first encoding in the same process (identity does not see it either). A
-function whose globals are not a module's (made by `exec`), or whose closure holds an
-array or an object numbered by this process, is taken by identity. (A closure cell or a
-class attribute rebound after the first encoding is not seen, as identity does not see
-it.)
+is kept out: line numbers and file names (they change no result), and a global,
+closure cell or class attribute rebound after the first encoding in the same process
+(identity does not see it either). A function whose globals are not a module's (made
+by `exec`), or that closes over or reads an array or an object numbered by this
+process, is taken by identity.
 
 **One answer in every process.** Canonical tokens serialise to the same bytes in every
 process (`serialise`: the bytes of the static key), so a slot restored from a checkpoint
@@ -63,11 +74,16 @@ import abc
 import dataclasses
 import enum
 import functools
+import hashlib
 import importlib
 import itertools
+import os
+import site
 import struct
 import sys
+import sysconfig
 import types
+import typing
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -123,14 +139,21 @@ _LOCAL_TAG = "\x00local"
 
 
 class _Tokens:
-    """One token computation. It tracks the objects being encoded: an object met again
-    inside itself (a recursive closure, a class whose methods close over it) is a
+    """One token computation, a depth-first walk of the part. An object met again while
+    it is open (a recursive closure, a class whose methods close over it) is a
     back-reference, by how many levels up it is open, so a cycle is encoded, not
-    numbered. `_where` says where in the part the encoding is (for messages)."""
+    numbered. An object that refers to one still open is emitted once while that cycle
+    is open: met again (functions that read each other), it is a reference to its
+    emission, by how many such emissions back, so a cycle of many functions costs one
+    walk. An object that refers to nothing open outside itself has a token of its own,
+    the same wherever it is met (remembered for functions and classes). `_where` says
+    where in the part the encoding is (for messages)."""
 
     def __init__(self) -> None:
         self._open: dict[int, int] = {}  # id -> depth, of the objects being encoded
         self._reach = sys.maxsize  # the lowest depth a back-reference reached
+        self._emitted: dict[int, list[Any]] = {}  # id -> [object, position, reach]
+        self._emissions: list[int] = []  # ids, in the order they were emitted
         self._where: list[str] = []
         self._in_code = 0  # > 0 inside a function or class
 
@@ -152,12 +175,16 @@ class _Tokens:
         if depth is not None:  # a cycle
             self._reach = min(self._reach, depth)
             return ("^", len(self._open) - depth)
+        emitted = self._emitted.get(id(x))
+        if emitted is not None and emitted[0] is x:  # in a cycle still open: emitted
+            self._reach = min(self._reach, emitted[2])
+            return ("^^", len(self._emissions) - emitted[1])
         coded = kind is types.FunctionType or kind is types.CodeType or isinstance(x, type)
-        if coded:
+        if coded:  # (remembered as met alone: valid where none of its cycle is open)
             found = _CODED.get(id(x))
-            if found is not None and found[0] is x:
+            if found is not None and found[0] is x and found[2].isdisjoint(self._open):
                 return found[1]
-        depth = len(self._open)
+        depth, first = len(self._open), len(self._emissions)
         self._open[id(x)] = depth
         outer, self._reach = self._reach, sys.maxsize
         try:
@@ -165,15 +192,26 @@ class _Tokens:
         finally:
             del self._open[id(x)]
             reach, self._reach = self._reach, min(outer, self._reach)
-        if coded and reach >= depth:  # no reference to an object outside `x`: its own
-            _CODED.put(id(x), (x, out))  # (holds `x`: its id is not reused while remembered)
+        inner = self._emissions[first:]
+        if reach >= depth:  # no reference to an object outside `x`: its own token
+            for key in inner:
+                del self._emitted[key]
+            del self._emissions[first:]
+            if coded:  # (holds `x`: its id is not reused while remembered)
+                _CODED.put(id(x), (x, out, frozenset(inner)))
+        else:  # what was emitted inside `x` is, once `x` closes, referred to through it
+            for key in inner:
+                self._emitted[key][2] = min(self._emitted[key][2], reach)
+            self._emitted[id(x)] = [x, len(self._emissions), reach]
+            self._emissions.append(id(x))
         return out
 
     def _compound(self, x: Any, kind: type) -> Any:
         if kind is tuple or kind is list:
             return ("t" if kind is tuple else "l", tuple(map(self.of, x)))
-        if kind is dict or kind is types.MappingProxyType:
-            return ("d", frozenset((self.of(k), self.of(v)) for k, v in x.items()))
+        if kind is dict or kind is types.MappingProxyType:  # in order: iterating shows it
+            pairs = tuple((self.of(k), self.of(v)) for k, v in x.items())
+            return ("d" if kind is dict else "dp", pairs)
         if kind is set or kind is frozenset:
             return ("S" if kind is set else "F", frozenset(map(self.of, x)))
         if isinstance(x, jtu.PyTreeDef):
@@ -181,29 +219,42 @@ class _Tokens:
         if isinstance(x, jax.Array):
             if isinstance(x, jax.core.Tracer) or self._in_code or not x.is_fully_addressable:
                 return self.local(x, by_identity=True)
-        if isinstance(x, (np.ndarray, np.generic, jax.Array)):
-            a = np.asarray(x)
+        if isinstance(x, (np.ndarray, np.generic, jax.Array)):  # by its full type and bits
+            a, weak = np.asarray(x), bool(getattr(x, "weak_type", False))
+            typed = (self.of(kind), a.dtype.str, a.shape, weak)
             if not a.dtype.hasobject:
-                return ("A", a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes())
-            return ("AO", a.shape, tuple(map(self.of, a.flat)))  # (a mesh's devices)
+                return ("A", *typed, np.ascontiguousarray(a).tobytes())
+            return ("AO", *typed, tuple(map(self.of, a.flat)))  # (a mesh's devices)
         if isinstance(x, np.dtype):
             return ("D", str(x))
-        return self._named(x, kind)
+        return self._content(x, kind)
 
-    def _named(self, x: Any, kind: type) -> Any:
-        name = importable_name(x)
+    def _content(self, x: Any, kind: type) -> Any:
+        name = installed_name(x) if _is_code(x) else None
         if name is not None:
             return ("n", name)
         if kind is types.FunctionType:
             return self.function(x)
         if kind is types.CodeType:
             return self.code(x)
-        if isinstance(x, type):  # not importable: defined in a function, or by `exec`
+        if isinstance(x, type):
             return self.cls(x)
+        if kind is types.UnionType:  # `int | None`, as annotations hold it
+            return ("U", self.of(x.__args__))
+        if kind in _TYPE_VARIABLES:  # (matched only against the parameters it is given)
+            parts = (x.__module__, x.__name__, x.__bound__, getattr(x, "__constraints__", ()))
+            variance = (x.__covariant__, x.__contravariant__)
+            return ("tv", self.of(kind), self.of(parts), self.of(variance))
+        parts = getattr(kind, "__memox_token_parts__", None)
+        if parts is not None:  # memox's own objects (a cached method)
+            return ("P", self.of(kind), self.of(parts(x)))
         if isinstance(x, enum.Enum):
-            return ("e", self.of(type(x)), x.name)
+            return ("e", self.of(kind), x.name)
         if isinstance(x, functools.partial):
-            return ("p", self.of(x.func), self.of(x.args), self.of(x.keywords))
+            parts = (x.func, x.args, x.keywords, vars(x))  # (keywords in their order)
+            return ("p", self.of(kind), *map(self.of, parts))
+        if kind is _LruCached:  # (`functools.cache`) computes what the function does
+            return ("lru", self.of(x.__wrapped__), self.of(x.cache_parameters()))
         if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
             return ("N", self.of(kind), tuple(map(self.of, x)))
         if dataclasses.is_dataclass(x):
@@ -224,16 +275,21 @@ class _Tokens:
             )
         if kind is _AbcRegistry:
             return ("R", self.of(x.classes))
+        if kind is types.BuiltinMethodType and isinstance(x.__self__, type | types.ModuleType):
+            return ("bm", self.of(x.__self__), x.__name__)  # (`object.__new__`)
         if kind is staticmethod or kind is classmethod:
             return ("sm" if kind is staticmethod else "cm", self.of(x.__func__))
         if kind is property:
             return ("pr", self.of((x.fget, x.fset, x.fdel, x.__doc__)))
-        if kind is types.MemberDescriptorType or kind is types.GetSetDescriptorType:
-            return ("md", self.of(x.__objclass__.__qualname__), x.__name__)
+        if kind in _DESCRIPTORS:  # a slot, or a method of a class written in C
+            return ("md", self.of(kind), self.of(x.__objclass__), x.__name__)
         if kind.__module__.partition(".")[0] in _REBUILT_BY_PICKLE:
             rebuilt = self.reduced(x, kind)
             if rebuilt is not None:
                 return rebuilt
+        name = installed_name(x)  # (a sentinel of installed code)
+        if name is not None:
+            return ("n", name)
         return self.local(x, by_identity=kind.__eq__ is object.__eq__)
 
     def reduced(self, x: Any, kind: type) -> Any:
@@ -255,8 +311,8 @@ class _Tokens:
         return ("r", self.of(f), self.of(args)) if same else None
 
     def function(self, f: types.FunctionType) -> Any:
-        """A function that has no importable name (a lambda, a closure, a function
-        defined in a function), by its code (the module docstring)."""
+        """A function of the user's code (at module level too, a lambda, a closure), by
+        its code (the module docstring)."""
         module = sys.modules.get(f.__globals__.get("__name__", None) or "")
         if module is None or f.__globals__ is not vars(module):
             return self.local(f, by_identity=True)  # (globals of no module: `exec`)
@@ -302,8 +358,9 @@ class _Tokens:
         return self.sealed(c, ("co", self.of(parts)))
 
     def cls(self, c: type) -> Any:
-        """A class that has no importable name (defined in a function or by `exec`), by its
-        module, qualified name, metaclass, bases and own attributes (the module docstring)."""
+        """A class of the user's code (at module level too, or defined in a function), by
+        its module, qualified name, metaclass, bases and own attributes (the module
+        docstring)."""
         self._in_code += 1
         try:
             return self.sealed(c, self._cls(c))
@@ -326,13 +383,14 @@ class _Tokens:
         return ("K", *parts, tuple(attributes))
 
     def sealed(self, x: Any, tok: Any) -> Any:
-        """A function's, code object's or class's token as its canonical bytes (hashed
-        once, compared cheaply on every call), or `x` by identity where `tok` holds a
-        part this process numbered."""
+        """A function's, code object's or class's token as the SHA-256 digest of its
+        canonical bytes (small wherever it is met: code that code reads is not copied
+        into each reader's token), or `x` by identity where `tok` holds a part this
+        process numbered."""
         out: list[bytes] = []
         if serialise(tok, out):
             return self.local(x, by_identity=True)
-        return ("c", b"".join(out))
+        return ("c", hashlib.sha256(b"".join(out)).digest())
 
     def treedef(self, treedef: Any) -> Any:
         data = treedef.node_data()
@@ -382,13 +440,25 @@ def _short(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# Modules whose classes are keyed by their pickle reduction (`_Tokens.reduced`): JAX's
-# own, whose reductions rebuild an object without side effects (memox calls them on
-# every call that reads such a part).
-_REBUILT_BY_PICKLE = frozenset({"jax", "jaxlib"})
+# Modules whose classes are keyed by their pickle reduction (`_Tokens.reduced`): JAX's,
+# memox's own and `typing`'s aliases, whose reductions rebuild an object without side
+# effects (memox calls them on every call that reads such a part).
+_REBUILT_BY_PICKLE = frozenset({"jax", "jaxlib", "memox", "typing", "types"})
 # Class attributes that follow from the others (instance dictionaries and weak references
-# of a class without `__slots__`) or that name the class (in its token already).
-_DERIVED = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__"})
+# of a class without `__slots__`, `copyreg`'s cache of slot names, set by pickling) or
+# that name the class (in its token already).
+_DERIVED = frozenset({"__dict__", "__weakref__", "__slotnames__", "__module__", "__qualname__"})
+_LruCached = type(functools.cache(len))
+_TYPE_VARIABLES = frozenset({typing.TypeVar, typing.ParamSpec})
+_DESCRIPTORS = frozenset(
+    {
+        types.MemberDescriptorType,
+        types.GetSetDescriptorType,
+        types.WrapperDescriptorType,
+        types.MethodDescriptorType,
+        types.ClassMethodDescriptorType,
+    }
+)
 _BY_SLOTS: dict[type, tuple[str, ...]] = {
     dataclasses.Field: dataclasses.Field.__slots__,
     type(getattr(dataclasses.make_dataclass("_", []), "__dataclass_params__")): type(
@@ -406,59 +476,109 @@ class _AbcRegistry:
         self.classes = frozenset(filter(None, (ref() for ref in registry)))
 
 
-_CODED = Cache("tokens of code", 4096)  # id -> (function or class, token)
+_CODED = Cache("tokens of code", 4096)  # id -> (function or class, token, ids in its cycle)
 
 
-_NAMES = Cache("importable names", 4096)  # id -> (object, name or None)
+_NAMES = Cache("installed names", 4096)  # id -> (object, name or None)
 
 
-def importable_name(x: Any) -> str | None:
-    """`module:qualname` where importing it gives `x` itself (a module-level function,
-    class or `jax.custom_jvp`-wrapped function), else `None` (a lambda, a closure, a
-    class defined in a function, an instance). Remembered per object."""
+def installed_name(x: Any) -> str | None:
+    """The name that installed code (`installed`) binds `x` to, where that is an identity
+    (`_claim`), else `None`. A function, class or wrapped callable (a `jax.custom_jvp`)
+    by `module:qualname` where importing that gives `x` itself; any other object by
+    `module:name` where it is bound in the module that defines its class (a sentinel:
+    `dataclasses.MISSING`). Remembered per object."""
     found = _NAMES.get(id(x))
     if found is not None and found[0] is x:
         return found[1]
-    name = _importable_name(x)
+    name = _installed_name(x) if _is_code(x) else _sentinel_name(x)
     _NAMES.put(id(x), (x, name))  # (holds `x`: its id is not reused while remembered)
     return name
 
 
-def _importable_name(x: Any) -> str | None:
-    if not isinstance(x, (type, types.FunctionType, types.BuiltinFunctionType)) and not (
+def _is_code(x: Any) -> bool:
+    return isinstance(x, (type, types.FunctionType, types.BuiltinFunctionType)) or (
         callable(x) and hasattr(x, "__wrapped__")
-    ):
-        return _global_name(x)
+    )
+
+
+def _installed_name(x: Any) -> str | None:
     module, qualname = getattr(x, "__module__", None), getattr(x, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
         return None
-    found: Any = sys.modules.get(module)
-    if found is None:
+    if isinstance(x, type) and not x.__flags__ & _HEAP_TYPE:  # (`NoneType`: not bound)
+        return _claim(f"{module}:{qualname}", x)  # a static C type, fixed while it runs
+    where: Any = sys.modules.get(module)
+    if where is None:
         try:
-            found = importlib.import_module(module)
+            where = importlib.import_module(module)
         except Exception:
             return None
-    where = found
+    if not installed(where):
+        return None
+    found = where
     for part in qualname.split("."):
         found = getattr(found, part, None)
     if found is x:
-        return f"{module}:{qualname}"
-    for name, value in list(vars(where).items()):  # bound under another name there
-        if value is x:  # (`jax.Array`, whose qualified name is `jaxlib._jax.Array`)
-            return f"{module}:{name}"
-    return None
+        return _claim(f"{module}:{qualname}", x)
+    return _bound_name(where, x)  # (`jax.Array`, whose qualified name is `jaxlib._jax.Array`)
 
 
-def _global_name(x: Any) -> str | None:
-    """`module:name` where `x` is bound to `name` in the module that defines its class (a
-    sentinel such as Equinox's `MISSING`): named, as a module-level function is."""
+def _sentinel_name(x: Any) -> str | None:
     module = sys.modules.get(getattr(type(x), "__module__", None) or "")
-    if module is None or isinstance(x, (str, bytes, int, float, complex, tuple)):
+    if module is None or not installed(module):
         return None
+    return _bound_name(module, x)
+
+
+def _bound_name(module: types.ModuleType, x: Any) -> str | None:
     for name, value in list(vars(module).items()):
         if value is x:
-            return f"{module.__name__}:{name}"
+            return _claim(f"{module.__name__}:{name}", x)
     return None
+
+
+_HEAP_TYPE = 1 << 9  # `Py_TPFLAGS_HEAPTYPE`: a class made at run time, not a static C type
+_CLAIMS: dict[str, Any] = {}  # name -> the one object it names in this process (state)
+
+
+def _claim(name: str, x: Any) -> str | None:
+    """`name` where it names `x` and no other object in this process, ever (a name that
+    once named another object is no identity: `None`). Never cleared: installed code
+    binds a bounded number of names."""
+    return name if _CLAIMS.setdefault(name, x) is x else None
+
+
+_INSTALLED: dict[str, bool] = {}  # module name -> whether installed (state of the files)
+_INSTALLED_ROOTS = tuple(
+    os.path.join(os.path.realpath(root), "")
+    for root in {
+        *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+    }
+)
+
+
+def installed(module: types.ModuleType) -> bool:
+    """Whether `module` is installed code: built into Python or a file of the standard
+    library or of site-packages. Not `__main__`, not a file of the user's (a script, a
+    notebook, a package installed in editable mode): code that is edited and run again."""
+    name = module.__name__
+    found = _INSTALLED.get(name)
+    if found is None:
+        file = getattr(module, "__file__", None)
+        if name == "__main__":
+            found = False
+        elif name.partition(".")[0] == __name__.partition(".")[0]:
+            found = True  # memox's own, installed for editing too: not the user's code
+        elif file is None:
+            origin = getattr(getattr(module, "__spec__", None), "origin", None)
+            found = name in sys.builtin_module_names or origin == "frozen"
+        else:
+            found = os.path.realpath(file).startswith(_INSTALLED_ROOTS)
+        _INSTALLED[name] = found
+    return found
 
 
 def _names_read(code: types.CodeType) -> set[str]:

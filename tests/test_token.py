@@ -2,12 +2,16 @@
 test per class of non-array part that once returned another part's value (issue 18,
 item 2), each comparing with the unmemoized method in every placement and counting real
 executions; and one answer in every process: functions and classes defined in a
-function by their code (issue 19)."""
+function by their code (issue 19). By content, never by a name that can be rebound
+(issue 31)."""
 
 import dataclasses
+import functools
 import itertools
 import operator
 import re
+import sys
+import types
 
 import equinox as eqx
 import jax
@@ -19,7 +23,7 @@ from helpers import PLACEMENTS, Counter, assert_same, call_in
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memox
-from memox import Memo, _key, _token
+from memox import Memo, _jax_internals, _key, _token
 
 
 # -- non-array parts: exact tokens -----------------------------------------------------
@@ -284,7 +288,7 @@ def test_several_processes_refuse_a_part_without_a_canonical_token(monkeypatch, 
     with pytest.raises(ValueError, match=r"memox runs in 2 processes") as error:
         memox.call(module, Applied.out)
     assert re.search(named, str(error.value))
-    assert "Define it at module level" in str(error.value)
+    assert "Make it a dataclass" in str(error.value)
     # Canonical parts pass.
     value, _ = memox.call(Mapped(jnp.arange(3.0), _scaled(2.0)), Mapped.out)
     assert_same(value, 2.0 * jnp.arange(3.0))
@@ -373,3 +377,202 @@ class Mapped(eqx.Module):
     @memox.cached("cache")
     def out(self):
         return self.how(self.x)
+
+
+# -- by content, never by a rebindable name (issue 31) ----------------------------------
+
+
+def _script(monkeypatch, source, name="issue31_script", file=None):
+    """`source` run as a module of the user's (a script, a notebook's `__main__`)."""
+    module = types.ModuleType(name)
+    module.__file__ = file or f"/home/user/{name}.py"
+    monkeypatch.setitem(sys.modules, name, module)
+    exec(compile(source, module.__file__, "exec"), vars(module))
+    return module
+
+
+def test_a_variable_rebound_in_a_loop_is_keyed_by_its_value(monkeypatch):
+    # Regression: issue 31 case 3. Each object bound to a variable of the module that
+    # defines its class was keyed by that name: `Config(1.0)` and then `Config(2.0)`,
+    # bound to `cfg` by a loop at the top of a script, got one token.
+    script = _script(
+        monkeypatch,
+        "import dataclasses\n"
+        "from memox import _token\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class Config:\n"
+        "    lr: float\n"
+        "class Marker:\n"
+        "    pass\n"
+        "tokens, markers = [], []\n"
+        "for cfg in [Config(1.0), Config(2.0), Config(1.0)]:\n"
+        "    tokens.append(_token.token(cfg))\n"
+        "for marker in [Marker(), Marker()]:\n"
+        "    markers.append(_token.token(marker))\n",
+    )
+    assert script.tokens[0] != script.tokens[1] and script.tokens[0] == script.tokens[2]
+    assert script.markers[0] != script.markers[1]  # no content: by identity
+    assert _key.static_key(script.markers[0]).local
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_rebound_variable_recomputes(monkeypatch, placement):
+    # Regression: issue 31 case 3, end to end: the second value hit the first's.
+    import fuzz_parts
+
+    counter = Counter()
+    monkeypatch.setattr(fuzz_parts, "current", Cfg(1.0), raising=False)
+    module = Applied(jnp.arange(3.0), fuzz_parts.current, counter)
+    _, module = call_in(placement, module, Applied.out)
+    monkeypatch.setattr(fuzz_parts, "current", Cfg(2.0))
+    other = Applied(module.x, fuzz_parts.current, counter, cache=module.cache)
+    value, _ = call_in(placement, other, Applied.out)
+    assert_same(value, jnp.full(3, 2.0))
+    assert counter.n == 2
+
+
+def test_a_redefined_function_or_class_is_a_new_token(monkeypatch):
+    # Regression: issue 31 case 3. A function or class importable by its qualified name
+    # was keyed by it: defined again under that name (a notebook cell run again), it
+    # kept the old one's token.
+    script = _script(monkeypatch, "def f(x):\n    return x + 1\nclass K:\n    n = 1\n")
+    f, k = _token.token(script.f), _token.token(script.K)
+    exec("def f(x):\n    return x + 2\nclass K:\n    n = 2\n", vars(script))
+    assert _token.token(script.f) != f and _token.token(script.K) != k
+    exec("def f(x):\n    return x + 1\nclass K:\n    n = 1\n", vars(script))
+    assert _token.token(script.f) == f and _token.token(script.K) == k  # same code
+    # A function reading a global: by the value it reads.
+    exec("def g(x):\n    return f(x)\n", vars(script))
+    g = _token.token(script.g)
+    exec("def f(x):\n    return x + 3\ndef g(x):\n    return f(x)\n", vars(script))
+    assert _token.token(script.g) != g
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_redefined_function_recomputes(monkeypatch, placement):
+    # Regression: issue 31 case 3, end to end: the redefinition hit the old value.
+    script = _script(monkeypatch, "def f(x):\n    return x + 1\n")
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), script.f, counter)
+    _, module = call_in(placement, module, Applied.out)
+    exec("def f(x):\n    return x + 2\n", vars(script))
+    other = Applied(module.x, script.f, counter, cache=module.cache)
+    value, _ = call_in(placement, other, Applied.out)
+    assert_same(value, jnp.arange(3.0) + 2)
+    assert counter.n == 2
+
+
+def test_installed_sentinels_are_named_once(monkeypatch):
+    # Regression: issue 31 case 3. Installed code's sentinels keep their name; a name
+    # is given to one object per process, never to the object bound there next.
+    import site
+
+    assert _token.token(dataclasses.MISSING) == ("n", "dataclasses:MISSING")
+    file = f"{site.getsitepackages()[0]}/issue31_library.py"
+    library = _script(
+        monkeypatch,
+        "class _Sentinel:\n    pass\nMISSING = _Sentinel()\n",
+        name="issue31_library",
+        file=file,
+    )
+    first = library.MISSING
+    assert _token.token(first) == ("n", "issue31_library:MISSING")
+    library.MISSING = library._Sentinel()
+    assert _token.token(library.MISSING) != _token.token(first)
+    assert _token.token(first) == ("n", "issue31_library:MISSING")
+
+
+def test_functions_that_call_each_other_cost_one_walk_and_one_answer(monkeypatch):
+    # Regression: issue 31 case 3. Module-level functions are walked by content: many
+    # that call each other are walked once, and the token of one does not depend on
+    # which were met first (the processes of a program meet them in any order).
+    n = 12
+    source = "".join(
+        f"def f{i}(x):\n    return " + " + ".join(f"f{j}(x)" for j in range(n) if j != i) + "\n"
+        for i in range(n)
+    )
+    script = _script(monkeypatch, source)
+    cold = _token.token(script.f0)
+    exec(source, vars(script))  # the same code again, new objects: nothing remembered
+    for i in reversed(range(n)):
+        _token.token(getattr(script, f"f{i}"))
+    assert _token.token(script.f0) == cold
+    exec(source.replace("def f3(x):\n    return ", "def f3(x):\n    return 1 + "), vars(script))
+    assert _token.token(script.f0) != cold
+
+
+class _Calls(functools.partial):
+    def __call__(self, x):
+        return -super().__call__(x)
+
+
+def _first_keyword(x, **keywords):
+    return x * next(iter(keywords.values()))
+
+
+def test_partials_by_type_and_keywords_in_order_and_arrays_by_type():
+    # Regression: issue 31 case 4.
+    assert _token.token(_Calls(jnp.multiply, 2.0)) != _token.token(
+        functools.partial(jnp.multiply, 2.0)
+    )
+    ab = functools.partial(_first_keyword, a=2.0, b=3.0)
+    assert _token.token(ab) != _token.token(functools.partial(_first_keyword, b=3.0, a=2.0))
+    assert _token.token(ab) == _token.token(functools.partial(_first_keyword, a=2.0, b=3.0))
+    assert _token.token({"a": 1, "b": 2}) != _token.token({"b": 2, "a": 1})
+    weak, strong = jnp.asarray(1.0), jnp.asarray(1.0, jnp.float32)
+    assert weak.weak_type and not strong.weak_type
+    assert _token.token(weak) != _token.token(strong)
+    assert _token.token(strong) == _token.token(jnp.asarray(1.0, jnp.float32))
+    assert _token.token(np.float32(1)) != _token.token(np.array(1, np.float32))
+    assert not _key.static_key(_token.token(weak)).local
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (functools.partial(jnp.multiply, 2.0), _Calls(jnp.multiply, 2.0)),
+        (
+            functools.partial(_first_keyword, a=2.0, b=3.0),
+            functools.partial(_first_keyword, b=3.0, a=2.0),
+        ),
+    ],
+)
+def test_partials_that_differ_recompute(first, second):
+    # Regression: issue 31 case 4, end to end: the second hit the first's value.
+    counter = Counter()
+    module = Applied(jnp.arange(3.0), first, counter)
+    _, module = memox.call(module, Applied.out)
+    other = Applied(module.x, second, counter, cache=module.cache)
+    value, _ = memox.call(other, Applied.out)
+    assert_same(value, second(module.x))
+    assert counter.n == 2
+
+
+def _local_cached_class():
+    class Local(eqx.Module):
+        x: jax.Array
+        cache: Memo[jax.Array] = Memo()
+
+        @memox.cached("cache", policy=memox.policies.Drift(rtol=0.1, max_age=3))
+        def out(self):
+            return 2 * self.x
+
+    return Local
+
+
+MODELS["class with a cached method"] = lambda: Applied(jnp.zeros(3), _local_cached_class(), None)
+
+
+def test_a_class_defined_in_a_function_runs_in_several_processes(monkeypatch):
+    # Regression: issue 31 case 5. Its cached method (memox's `CachedMethod`), its
+    # policy, its `Memo[...]` annotation and its empty slot had no canonical encoding.
+    monkeypatch.setattr(_jax_internals, "process_count", lambda: 2)
+    model = _local_cached_class()(jnp.arange(3.0))
+    value, model = memox.call(model, type(model).out)
+    assert_same(value, 2 * jnp.arange(3.0))
+    value, model = memox.call(model, type(model).out)
+    assert_same(value, 2 * jnp.arange(3.0))
+    stats = memox.stats(model)["cache"]
+    assert (int(stats.hits), int(stats.misses)) == (1, 1)
+    assert not _key.static_key(_token.token(type(model).out)).local
+    assert _token.token(type(model).out) == _token.token(_local_cached_class().out)
