@@ -5,7 +5,9 @@ its slot in the frame, plans the call (`_plan.py`: dependencies, static key, the
 fitted to the value) and runs the memoised operation (`_memo.py`). Outside a frame it
 simply computes. Where a frame is current but cannot reach the slot (the method runs
 inside a transformation opened inside `fn`, or on a module the call does not hold), it
-computes and warns: memox is never silently inert.
+computes and warns: memox is never silently inert. So it does where no frame is current
+on its thread but a call running on another thread holds its slot (a worker thread or a
+host callback started inside `fn`): a call's frame is live on its own thread only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 import equinox as eqx
 
 from . import _context, _errors, _ledger, _prehash
-from ._hoist import Hoisted
+from ._hoisted import Hoisted
 from ._memo import memoised
 from ._plan import Call, Method, latest
 from ._policy import Exact, Policy
@@ -74,6 +76,11 @@ class CachedMethod(Generic[Owner, P, R]):
             p.default is p.empty and (p.kind in required or p.kind == p.KEYWORD_ONLY)
             for p in params
         )
+
+    def __memox_token_parts__(self) -> tuple[Any, ...]:
+        """What the cache key takes of this method (`_token.py`): its function, slot and
+        policy, each by content."""
+        return (self.fn, self.slot, self.policy)
 
     @property
     def spec(self) -> Method:
@@ -133,6 +140,9 @@ class CachedMethod(Generic[Owner, P, R]):
                 frame.write(path, call.slot, self.qualname)
                 return self.fn(module, *args, **kwargs)
             return memoised(call)
+        elif _context.elsewhere(module, self.slot):  # a call on another thread holds it
+            message = _errors.OTHER_THREAD.format(method=self.qualname, slot=self.slot)
+            warnings.warn(message, _errors.UncachedWarning, stacklevel=2)
         else:
             api = _wrapper()
             if api is not None:  # under a memox wrapper, but no `memox.call`: say so

@@ -1,9 +1,10 @@
 """The live state of a `memox.call`: which slots exist and what they hold right now.
 
-`memox.call` opens a `Frame` over its module and makes it current (a per-thread stack).
-A cached method that runs while a frame is current looks its slot up in that frame,
-reads the slot's latest state from the frame's store and writes the updated state
-back. When `fn` returns, the store is written into a copy of the module.
+`memox.call` opens a `Frame` over its module and makes it current (on the thread's one
+per-call state stack, below). A cached method that runs while a frame is current looks
+its slot up in that frame, reads the slot's latest state from the frame's store and
+writes the updated state back. When `fn` returns, the store is written into a copy of
+the module.
 
 Lookup is by identity, and robust to the module being taken apart and rebuilt inside
 `fn` (`eqx.tree_at`, `eqx.partition`/`eqx.combine`, `eqx.filter_grad`): an allocated
@@ -17,6 +18,11 @@ calls other cached methods: the inner slots are then threaded through that branc
 While `memox.scan` traces its loop body, `Pins` names the slots of the carry that the
 body reads as loop constants (see `_scan.py`): a cached method on such a slot reads it
 without a branch and leaves its entries untouched.
+
+A frame is live on its own thread only. A cached method run where its thread has no
+frame, on a module whose slot a frame on another thread holds right now (a worker
+thread or a host callback that `fn` started), is found through the process-wide list of
+the threads' stacks (`elsewhere`), and warns; a thread's own calls never look there.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import contextlib
 import dataclasses
 import operator
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _jax_internals, _prehash
+from . import _jax_internals
 from ._errors import INNER_TRANSFORM
 from ._fingerprint import array_fingerprint, known
 from ._jax_internals import is_concrete_array
@@ -114,11 +121,15 @@ class Frame:
     def fingerprint(self, x: Any) -> Any:
         """The fingerprint of array `x`: by identity if it has a value (hashed once per
         array object); for an input of a `memox.jit` or `memox.filter_jit` being traced,
-        the one computed outside where valid (`_prehash.lookup`); else hashed in-graph."""
+        the one computed outside where valid (a `Precomputed` entry of the stack: the trace
+        scope of a compiled wrapper, `_prehash.Scope`); else hashed in-graph."""
         if is_concrete_array(x):
             return known(x)
-        pre = _prehash.lookup(x)
-        return array_fingerprint(x) if pre is None else pre
+        for scope in innermost(Precomputed, n=-1):
+            pre = scope.lookup(x)
+            if pre is not None:
+                return pre
+        return array_fingerprint(x)
 
 
 def separated(tree: Any, sites: list[SlotSite] | None = None) -> tuple[Any, list[SlotSite]]:
@@ -295,45 +306,105 @@ class Plain:
         self.nested = False
 
 
+# -- the per-call state stack ----------------------------------------------------------
+#
+# One stack per thread holds every piece of per-call state, innermost last: the frames
+# of calls and of nested methods' miss branches, `Plain`s, `memox.scan`'s pins, the
+# ledgers of calls (`_ledger.py`) and the trace scopes of compiled wrappers
+# (`_prehash.Scope`). Each thread's stack is also listed process-wide
+# (weakly), so that a cached method run on a thread with no frame can tell whether its
+# slot is live in a call running on another thread right now (`elsewhere`).
+
+
+class Precomputed:
+    """An entry of the stack that knows fingerprints computed outside the trace (a
+    compiled wrapper's trace scope, `_prehash.Scope`): `lookup(x)` gives the fingerprint
+    of tracer `x`, or None."""
+
+    def lookup(self, x: Any) -> Any | None:
+        raise NotImplementedError
+
+
+class _Stack(list):
+    """One thread's per-call state, innermost last."""
+
+    __slots__ = ("__weakref__",)
+
+
 _local = threading.local()
+_lock = threading.Lock()  # around the replacement of `_stacks`
+# Every thread's stack, weakly (a thread's goes when the thread ends). Replaced, never
+# changed in place, so it is read without the lock.
+_stacks: tuple[weakref.ref[_Stack], ...] = ()
 
 
-def _stack() -> list[Frame | Plain]:
+def _stack() -> _Stack:
     stack = getattr(_local, "stack", None)
     if stack is None:
-        stack = _local.stack = []
+        global _stacks
+        stack = _local.stack = _Stack()
+        with _lock:
+            _stacks = (*(r for r in _stacks if r() is not None), weakref.ref(stack))
     return stack
 
 
 def top() -> Frame | Plain | None:
-    stack = _stack()
-    return stack[-1] if stack else None
+    """The innermost frame (or `Plain`) on this thread, if any."""
+    for item in reversed(getattr(_local, "stack", ())):
+        if isinstance(item, (Frame, Plain)):
+            return item
+    return None
 
 
-_F = TypeVar("_F", bound="Frame | Plain")
+_E = TypeVar("_E")
+
+
+def innermost(kind: type[_E], n: int = 1) -> list[_E]:
+    """The `n` innermost entries of type `kind` on this thread (all of them where `n` is
+    negative), innermost first."""
+    found: list[_E] = []
+    for item in reversed(getattr(_local, "stack", ())):
+        if isinstance(item, kind):
+            found.append(item)
+            if len(found) == n:
+                break
+    return found
 
 
 @contextlib.contextmanager
-def active(frame: _F) -> Iterator[_F]:
+def active(entry: _E) -> Iterator[_E]:
+    """Make `entry` (a frame, a `Plain`, a ledger) the innermost of its kind on this
+    thread while the block runs."""
     stack = _stack()
-    stack.append(frame)
+    stack.append(entry)
     try:
-        yield frame
+        yield entry
     finally:
         popped = stack.pop()
-        assert popped is frame
+        assert popped is entry
 
 
 def pins() -> Pins | None:
     """The pins of the `memox.scan` body being traced right now, if any."""
-    return getattr(_local, "pins", None)
+    found = innermost(Pins)
+    return found[0] if found else None
 
 
-@contextlib.contextmanager
-def pinning(new: Pins | None) -> Iterator[Pins | None]:
-    previous = pins()
-    _local.pins = new
-    try:
-        yield new
-    finally:
-        _local.pins = previous
+def pinning(new: Pins) -> contextlib.AbstractContextManager[Pins]:
+    """`new` current while the block runs (the body of a `memox.scan` being traced)."""
+    return active(new)
+
+
+def elsewhere(owner: Any, field: str) -> bool:
+    """Whether `owner.<field>` is a slot threaded through a frame active right now on
+    another thread (a cached method run on a worker thread or in a host callback that
+    `fn` started, where this thread has no frame)."""
+    mine = getattr(_local, "stack", None)
+    for ref in _stacks:
+        stack = ref()
+        if stack is None or stack is mine or not stack:
+            continue
+        for item in tuple(stack):  # (a copy: that thread may push or pop meanwhile)
+            if isinstance(item, Frame) and item.find(owner, field) is not None:
+                return True
+    return False

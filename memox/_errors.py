@@ -116,6 +116,15 @@ UNREACHED_SLOT = (
     "or call `memox.call` inside it on the module it receives."
 )
 
+OTHER_THREAD = (
+    "`{method}` ran on a thread other than the one running the `memox.call` that holds "
+    "its slot `{slot}` (a worker thread or a host callback started inside `fn`). A call's "
+    "slots are live on its own thread only, so it computes every time and caches "
+    "nothing. Call the method on the calling thread, inside `fn`, or run "
+    "`memox.call(module, fn)` in the worker on the module it uses and pass the new "
+    "module back."
+)
+
 LOOP_CLOSES_OVER = (
     "`memox.call` runs inside a `{loop}` body on a module that the loop closes over (its "
     "slots are not part of the loop's carry), so nothing it stores outlives the "
@@ -218,9 +227,9 @@ NOT_CANONICAL = (
     "compute the same cache key, but {what} has no canonical encoding: {why}. A key "
     "holding it would differ between processes (one would hit where another misses and "
     "waits in a collective). "
-    "Define it at module level (a function or class importable by name), make it a "
-    "dataclass, NamedTuple or enum of such parts (encoded field by field), or pass it "
-    "as an array field of the module."
+    "Make it a dataclass, NamedTuple or enum (encoded field by field, with its type), "
+    "or a function whose closure and globals hold only such parts; pass an array as an "
+    "array field of the module instead."
 )
 
 EMPTY_TRACED = (

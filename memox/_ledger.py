@@ -1,8 +1,9 @@
 """The accounting: every evaluation of a cached method inside memox ends as a hit, a
 store that reaches what the call returns, or an `UncachedWarning` that names the fix.
 
-Each `memox.call` keeps a ledger (a per-thread stack, like the frames). An evaluation of
-a cached method is recorded in the innermost open ledger as one of:
+Each `memox.call` keeps a ledger, an entry of the thread's per-call state stack
+(`_context.py`) just above the call's frame. An evaluation of a cached method is
+recorded in the innermost open ledger as one of:
 
 - **memoised** (`_memo.py`): its slot was found. The store is written to the call's
   frame, which becomes the module the call returns, so it reaches the caller by
@@ -28,20 +29,25 @@ When a call ends, its ledger is settled in one place for every placement at once
    call returned was not passed on) and is reported.
 
 In an eager call (nothing is staged), (1) is all there is.
+
+A marker is found by the structure of an equation's name stack, never by its rendered
+name: a transformation that re-stages an equation (`vmap`, `jvp`, `transpose`,
+`checkpoint`, one JAX adds later) puts an entry of its own on the stack and leaves the
+scopes as they were, where the rendering reads `vmap(memox_read_3)`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.extend
 
-from . import _errors, _jax_internals
+from . import _context, _errors, _jax_internals
 
 
 UNCACHED_SCOPE = "memox_uncached."
@@ -70,51 +76,37 @@ class Ledger:
                 self.uncached.setdefault(method, _errors.STORE_DROPPED.replace("{slot}", slot))
         if self.staged_from is not None:
             staged = _jax_internals.staged_since(self.trace, self.staged_from)
-            for stack in _jax_internals.name_stacks(staged):
-                for part in stack.split("/"):
-                    if part.startswith(UNCACHED_SCOPE):
-                        method = part[len(UNCACHED_SCOPE) :]
-                        self.uncached.setdefault(method, _errors.UNCACHED_STAGED)
+            for scope in _jax_internals.scope_names(staged):
+                if scope.startswith(UNCACHED_SCOPE):
+                    method = scope[len(UNCACHED_SCOPE) :]
+                    self.uncached.setdefault(method, _errors.UNCACHED_STAGED)
             if self.deep:
                 self._settle_deep(outputs)
         for method, message in self.uncached.items():
             warnings.warn(message.format(method=method), _errors.UncachedWarning, stacklevel=4)
 
     def _settle_deep(self, outputs: list[Any]) -> None:
-        live = set()
-        for stack in _jax_internals.live_name_stacks(self.trace, outputs):
-            live.update(stack.split("/"))
+        live = set(
+            _jax_internals.scope_names(
+                _jax_internals.live_equations(self.trace, outputs), live=True
+            )
+        )
         for number, (method, slot) in self.deep.items():
             if _READ_SCOPE + number in live and _STORE_SCOPE + number not in live:
                 self.uncached.setdefault(method, _errors.STORE_DROPPED.replace("{slot}", slot))
 
 
-_local = threading.local()
-
-
-def _stack() -> list[Ledger]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
 def current() -> Ledger | None:
-    stack = _stack()
-    return stack[-1] if stack else None
+    """The ledger of the innermost `memox.call` open on this thread, if any."""
+    found = _context.innermost(Ledger)
+    return found[0] if found else None
 
 
 @contextlib.contextmanager
 def opened(trace: Any) -> Iterator[Ledger]:
     """A ledger for one call, open while it runs (the caller settles it)."""
-    ledger = Ledger(trace)
-    stack = _stack()
-    stack.append(ledger)
-    try:
+    with _context.active(Ledger(trace)) as ledger:
         yield ledger
-    finally:
-        popped = stack.pop()
-        assert popped is ledger
 
 
 def record_uncached(method: str, message: str) -> None:
@@ -135,11 +127,11 @@ def store(method: str, slot: str) -> tuple[Any, Any] | None:
     `(read, store)` scopes, the enclosing call checks that the store reaches its
     outputs wherever the value is read. Else `None` (nothing to check: the store reaches
     the module the innermost call returns by construction)."""
-    stack = _stack()
-    if stack:
-        stack[-1].stores[method] = slot
-    if len(stack) < 2 or stack[-2].staged_from is None:
+    ledgers = _context.innermost(Ledger, 2)
+    if ledgers:
+        ledgers[0].stores[method] = slot
+    if len(ledgers) < 2 or ledgers[1].staged_from is None:
         return None
     number = str(next(_names))
-    stack[-2].deep[number] = (method, slot)
+    ledgers[1].deep[number] = (method, slot)
     return jax.named_scope(_READ_SCOPE + number), jax.named_scope(_STORE_SCOPE + number)

@@ -16,11 +16,11 @@ This module is that mechanism, in one place for both wrappers:
   table for a call (`Inputs.table`): a row is valid only for the very object seen at
   that position in the previous call (an array that changes every call, such as a new
   batch, is left to the in-graph hash: hashing it outside would wait for it);
-- inside, `scope(inputs, table)` makes the table current for the trace (a per-thread
-  stack): `Frame.fingerprint` asks `lookup(x)`, which for an input tracer returns
-  `lax.cond(valid, row, hash)`: the in-graph hash stays in the program, and runs only
-  when the row is not valid. A donated, new or mutated input is a new object: its row
-  is not valid, and it is hashed. Never stale.
+- inside, `scope(inputs, table)` makes the table current for the trace (an entry of the
+  per-call stack, `_context.py`): `Frame.fingerprint` asks its `lookup(x)`, which for an
+  input tracer returns `lax.cond(valid, row, hash)`: the in-graph hash stays in the
+  program, and runs only when the row is not valid. A donated, new or mutated input is a
+  new object: its row is not valid, and it is hashed. Never stale.
 
 The trace's `Scope` also carries the other thing a wrapper knows outside its program,
 the hits it decided on the host (`_decided.py`): `claim(...)` is how a cached call
@@ -48,10 +48,11 @@ import jax
 import numpy as np
 from jax import lax
 
-from . import _jax_internals
+from . import _context, _jax_internals
 from ._decided import Claim, Claims, Decided, Held
 from ._fingerprint import across_processes, array_fingerprint, known
 from ._jax_internals import is_concrete_array
+from ._key import StaticKey
 from ._slot import Memo
 from ._storage import Spec
 from ._table import entry_leaves
@@ -153,11 +154,11 @@ class Inputs:
 PREHASH_MIN_BYTES = 1 << 18
 
 
-class Scope:
+class Scope(_context.Precomputed):
     """The context of one trace of a compiled wrapper: the table, by the ids of its input
     tracers, and the cached calls the host may decide (`_decided.Claims`, with `hits`:
-    per slot, by the input positions of its entry leaves, the input tracers of the index
-    of the entry to read and of the value it holds).
+    per slot, by its `Held`, the input tracers of the index of the entry to read and of
+    the value it holds).
 
     Holds the input tracers while the trace runs (so that no id is reused), and drops
     them when it ends."""
@@ -167,7 +168,7 @@ class Scope:
         inputs: Sequence[Any],
         table: Any,
         min_bytes: int = 0,
-        hits: dict[tuple[int, ...], Decided] | None = None,
+        hits: dict[Held, Decided] | None = None,
     ):
         self.trace = _jax_internals.current()
         self._min_bytes = min_bytes
@@ -192,13 +193,14 @@ class Scope:
         return None if -1 in found else found
 
     def claim(
-        self, slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec
+        self, slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec, key: StaticKey
     ) -> Claim | None:
         """A cached call on `slot`, whose reuse decision reads `reads`, where the host can
         decide it: made directly in the wrapped function (not in a branch, a loop, `vmap`
         or a staged transformation; inside `jax.grad` and its kin, with what it reads
         not differentiated), under a policy without `max_age`, on a slot whose entries
-        and on values whose arrays are all inputs of the wrapper, for a value of `spec`.
+        and on values whose arrays are all inputs of the wrapper, for a value of `spec`,
+        under static key `key`.
         Then the call's `Claim`: the entry's index and value where the host decided a
         hit, else None (the call checks in-graph and tells the claim what it left)."""
         if max_age is not None or not slot.allocated:
@@ -209,7 +211,7 @@ class Scope:
         positions = self._positions(reads)
         if entries is None or positions is None:
             return None
-        return self._claims.claim(entries, positions, spec)
+        return self._claims.claim(entries, positions, spec, key)
 
     def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
         """`Claims.held`: the claimed slots the host can vouch for after this call."""
@@ -220,53 +222,31 @@ class Scope:
         self._claims = Claims({})
 
 
-_local = threading.local()
-
-
-def _scopes() -> list[Scope]:
-    scopes = getattr(_local, "scopes", None)
-    if scopes is None:
-        scopes = _local.scopes = []
-    return scopes
-
-
 @contextlib.contextmanager
 def scope(
     inputs: Sequence[Any],
     table: Any,
     min_bytes: int = 0,
-    hits: dict[tuple[int, ...], Decided] | None = None,
+    hits: dict[Held, Decided] | None = None,
 ) -> Iterator[Scope]:
     """Make `table` (rows for the first inputs of `inputs`, the tracers of a compiled
     function's input arrays) and `hits` current while the function is traced; inputs
     of fewer than `min_bytes` bytes are left to the in-graph hash."""
-    current = Scope(inputs, table, min_bytes, hits)
-    scopes = _scopes()
-    scopes.append(current)
-    try:
-        yield current
-    finally:
-        popped = scopes.pop()
-        assert popped is current
-        current.close()
+    with _context.active(Scope(inputs, table, min_bytes, hits)) as current:
+        try:
+            yield current
+        finally:
+            current.close()
 
 
-def lookup(x: Any) -> Any | None:
-    """The fingerprint of tracer `x` where it is an input of a compiled wrapper being
-    traced (a `lax.cond` between the precomputed row and the in-graph hash), else None."""
-    for current in reversed(_scopes()):
-        found = current.lookup(x)
-        if found is not None:
-            return found
-    return None
-
-
-def claim(slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec) -> Claim | None:
+def claim(
+    slot: Memo, max_age: int | None, reads: Sequence[Any], spec: Spec, key: StaticKey
+) -> Claim | None:
     """`Scope.claim` in the innermost compiled wrapper being traced, if any."""
-    scopes = _scopes()
-    return scopes[-1].claim(slot, max_age, reads, spec) if scopes else None
+    scopes = _context.innermost(Scope)
+    return scopes[0].claim(slot, max_age, reads, spec, key) if scopes else None
 
 
 def tracing() -> bool:
     """Whether a compiled wrapper (`memox.jit`, `memox.filter_jit`) is being traced."""
-    return bool(_scopes())
+    return bool(_context.innermost(Scope))

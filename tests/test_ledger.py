@@ -192,3 +192,75 @@ def test_a_method_in_memox_filter_jit_without_memox_call_warns():
     step = memox.filter_jit(lambda m: jnp.sum(m.q()))
     with pytest.warns(memox.UncachedWarning, match="outside `memox.call`"):
         step(model)
+
+
+# -- a nested store under a transformation opened in fn ---------------------------------
+
+TRANSFORMS = ["vmap", "grad", "jvp", "checkpoint", "cond"]
+
+
+def _under(transform, passed_on):
+    """`fn(m, x)` that opens `transform`, inside which a nested `memox.call` fills `m`'s
+    slot; `fn` returns the module that call returned (`passed_on`) or drops it."""
+
+    def inner(m, x):
+        value, m = memox.call(m, Rot.q)
+        return jnp.sum(value) * x, m
+
+    def fn(m, x):
+        if transform == "vmap":
+            ys, m = jax.vmap(lambda x: inner(m, x), out_axes=(0, None))(jnp.stack([x, x]))
+            y = jnp.sum(ys)
+        elif transform == "grad":
+            y, m = jax.grad(lambda x: inner(m, x), has_aux=True)(x)
+        elif transform == "jvp":
+            (y, m), _ = jax.jvp(lambda x: inner(m, x), (x,), (x,))
+        elif transform == "checkpoint":
+            y, m = jax.checkpoint(lambda x: inner(m, x))(x)
+        else:
+            y, m = jax.lax.cond(x > 0, lambda x: inner(m, x), lambda x: inner(m, -x), x)
+        return y, m if passed_on else None
+
+    return fn
+
+
+def _wrapped(wrapper, fn):
+    if wrapper == "memox.jit":
+        return memox.jit(fn)
+    if wrapper == "memox.filter_jit":
+        return memox.filter_jit(lambda m, x: memox.call(m, fn, x))
+    return jax.jit(lambda m, x: memox.call(m, fn, x))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("wrapper", ["memox.jit", "memox.filter_jit", "jax.jit"])
+def test_a_dropped_store_under_a_transformation_is_reported(wrapper, transform):
+    # Regression (issue 31 case 6): the ledger looked for its markers by their rendered
+    # names (`memox_read_3`), which a transformation re-stages as `vmap(memox_read_3)`,
+    # `jvp(...)`, `transpose(jvp(...))`: under `vmap`, `grad` or `jvp`, a dropped store
+    # recomputed at every call without a word.
+    counter = Counter()
+    model = memox.init(_rot(counter))
+    step = _wrapped(wrapper, _under(transform, passed_on=False))
+    with pytest.warns(memox.UncachedWarning, match="the value is dropped"):
+        step(model, jnp.float32(1.0))
+    with warnings.catch_warnings():  # (the program is reused: said once, at its trace)
+        warnings.simplefilter("ignore")
+        step(model, jnp.float32(1.0))
+    jax.effects_barrier()
+    assert counter.n == 2  # computed at every call: and said so
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("wrapper", ["memox.jit", "memox.filter_jit", "jax.jit"])
+def test_a_store_passed_on_under_a_transformation_is_silent(wrapper, transform):
+    # (issue 31 case 6) The same, with the nested call's module returned: a hit next time.
+    counter = Counter()
+    model = memox.init(_rot(counter))
+    step = _wrapped(wrapper, _under(transform, passed_on=True))
+    with _silent():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            (_, model), _ = step(model, jnp.float32(1.0))
+    jax.effects_barrier()
+    assert counter.n == 1
