@@ -57,7 +57,8 @@ from . import _decided, _prehash
 from ._jax_internals import is_concrete_array
 from ._lifecycle import allocated_once
 from ._partition import ARRAY, hashable_combine, hashable_partition
-from ._slot import EMPTY, Memo, is_memo
+from ._sites import holds_empty
+from ._slot import Memo, is_memo
 from ._table import copied, entry_leaves
 
 
@@ -282,7 +283,7 @@ class _Call:
         leaves, treedef = jtu.tree_flatten((fun, args, kwargs))
         arrays: list[Any] = []
         statics = hashable_partition(leaves, arrays)
-        empty = any(x is EMPTY for x in statics)
+        empty = holds_empty((fun, args, kwargs), treedef)
         first = (0, 0)
         if donate.endswith("except-first") and args:
             start = sum(map(eqx.is_array, jtu.tree_leaves(fun)))

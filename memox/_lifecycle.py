@@ -8,14 +8,16 @@ from __future__ import annotations
 from typing import Any, Concatenate, overload
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 
 from . import _context, _errors
 from ._cached import CachedMethod, MethodArg, method_for
 from ._caches import ByIdentity
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
+from ._jax_internals import is_concrete_array
 from ._sites import SlotSite, replace_slots, slot_sites, slots
-from ._slot import Memo, is_empty, is_memo
+from ._slot import EMPTY, Memo, is_empty, is_memo
 from ._table import allocate_like, emptied, invalidated, mesh_of
 from ._typing import Fn, M, P
 
@@ -207,14 +209,27 @@ def allocated(tree: Any) -> Any:
     node whose fields are `None` is a filter's image of a slot, not a slot: the mirror
     of the model in an optimizer state made from `eqx.filter(model, ...)` (adam's
     `mu` and `nu`), or half of an `eqx.partition`. Allocating it would change the
-    optimizer state's structure, and compute the method on a module of `None`s."""
+    optimizer state's structure, and compute the method on a module of `None`s.
+
+    A slot left empty (its method takes arguments: allocated at its first fill) gets its
+    markers back as declared where they came back as concrete 0-d arrays: static, as
+    the trace needs them to allocate it (a traced one stays, for `allocate`'s error)."""
     if not any(map(is_empty, jtu.tree_leaves(tree, is_leaf=is_memo))):
         return revive(tree)
     hidden = jtu.tree_map(
         lambda x: _Mirror(x) if is_memo(x) and x.value is None else x, tree, is_leaf=is_memo
     )
     filled = allocate_plain_slots(revive(hidden))
-    return jtu.tree_map(lambda x: x.slot if _is_mirror(x) else x, filled, is_leaf=_is_mirror)
+    return jtu.tree_map(_unhidden, filled, is_leaf=lambda x: _is_mirror(x) or is_memo(x))
+
+
+def _unhidden(x: Any) -> Any:
+    if _is_mirror(x):
+        return x.slot
+    if not is_empty(x) or x.value is EMPTY:
+        return x
+    traced = isinstance(x.value, jax.Array) and not is_concrete_array(x.value)
+    return x if traced else emptied(x)
 
 
 # A module's allocated version, by the module's identity, while its slots are usable

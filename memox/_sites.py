@@ -15,15 +15,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._caches import Cache
-from ._hoist import Hoisted
-from ._slot import Memo, is_memo
+from ._slot import Memo, is_empty, is_memo
+
+
+if TYPE_CHECKING:
+    from ._hoisted import Hoisted  # (a node `memox.hoist` puts in place of a slot)
 
 
 Path = tuple[Any, ...]
@@ -131,6 +134,17 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
         # (JAX types `GetAttrKey` as `Any`, so `isinstance` does not rule out `None`.)
         field = last.name if isinstance(last, jtu.GetAttrKey) else None  # pyright: ignore[reportOptionalMemberAccess]
         yield SlotSite(path, slot, owner if path else None, field)
+
+
+def holds_empty(tree: PyTree, treedef: Any) -> bool:
+    """Whether `tree` (of structure `treedef`) holds a slot still to allocate
+    (`is_empty`), each slot found down its path: no test of every leaf, and the markers
+    found in whatever container they came back."""
+    found = layout(treedef)
+    located = None if found is None else _located(tree, found)
+    if located is None:
+        return any(map(is_empty, slots(tree).values()))
+    return any(is_empty(slot) for _, _, slot in located)
 
 
 def _located(tree: PyTree, found: Layout) -> list[tuple[Path, Any, Memo]] | None:

@@ -25,9 +25,11 @@ The marker is an integer so that every checkpointer writes a model with empty sl
 a `memox.strip`ped one, as it is and reads it back (orbax and Equinox rebuild a leaf as
 `type(like)(value)`), and `eqx.filter_jit` treats it as static. Passed through `jax.jit`
 or `lax.scan` it becomes a traced integer, which memox cannot allocate in place (a loop
-carry would change type): `allocate` refuses it, naming `memox.init`. A slot is
-allocated while its `value` has the entries' axis (`Memo.allocated`): a 0-d value, the
-marker as `jax.eval_shape` or a checkpoint gave it back, is an empty slot.
+carry would change type): `allocate` refuses it, naming `memox.init`. One rule says
+whether a slot is allocated, for every path (`is_value_table`, read by `Memo.allocated`
+and by the compiled wrappers' splits): while its `value` has the entries' axis. A 0-d
+value is the marker in whatever container it came back (`jax.device_put`,
+`jnp.asarray`, a checkpoint restored into `jax.eval_shape`'s target): an empty slot.
 
 What is done to a slot's tables (allocation, lookup, store, invalidation) is in
 `_table.py`; where the slots of a pytree are, in `_sites.py`.
@@ -167,10 +169,9 @@ class Memo(eqx.Module, Generic[T]):
 
     @property
     def allocated(self) -> bool:
-        """Whether the slot holds its tables (`False` when empty, or when filtered out).
-        A table has its entries along a leading axis; a 0-d `value` is the `EMPTY` marker,
-        or what it became through `jax.jit`, `jax.eval_shape` or a checkpoint."""
-        return getattr(self.value, "ndim", 0) > 0
+        """Whether the slot holds its tables (`False` when empty, or when filtered out):
+        `is_value_table(self.value)`."""
+        return is_value_table(self.value)
 
     def holds(self, spec: Spec, snapshot_bytes: int | None) -> bool:
         """Whether this slot is allocated for values of `spec` (and such snapshots; None:
@@ -184,6 +185,14 @@ class Memo(eqx.Module, Generic[T]):
             dtype,
             snapshot_bytes,
         )
+
+
+def is_value_table(value: Any) -> bool:
+    """Whether `value`, a slot's `value` field (its first leaf), is an allocated slot's
+    table: entries along a leading axis. The one test of allocation. Not the `EMPTY`
+    marker, as declared or as the 0-d array it comes back as (from `jax.device_put`,
+    `jnp.asarray`, `jax.eval_shape`, a checkpoint; concrete or traced), nor `None`."""
+    return getattr(value, "ndim", 0) > 0
 
 
 def _as_slot(x: T) -> T:
@@ -250,6 +259,7 @@ def leaves_of(slot: Memo) -> list[Any]:
 
 
 def is_empty(x: Any) -> bool:
-    """Whether `x` is a slot as declared, not yet allocated (not a filter's image of a
-    slot, whose fields are `None`)."""
+    """Whether `x` is a slot still to allocate: its fields the marker, as declared or in
+    whatever container they came back (not a filter's image of a slot, whose fields are
+    `None`)."""
     return isinstance(x, Memo) and x.value is not None and not x.allocated

@@ -9,7 +9,9 @@ Allocated tables are placed where they will stay (`allocate`): on a mesh, as glo
 arrays over the mesh of the module's arrays, the value table sharded like the value
 where its sharding is part of its type (`Explicit` axes), everything else replicated;
 so the first call changes no slot's type or placement (no retrace, no resharding of a
-donated buffer, the same `lax.scan` carry type).
+donated buffer, the same `lax.scan` carry type). A value that a method puts on other
+devices is copied onto the table's to be stored, and read back where the method put it
+(`stored`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from . import _errors, _jax_internals
 from ._caches import ByIdentity
-from ._jax_internals import is_concrete_array
-from ._key import explicit_sharding
+from ._jax_internals import explicit_sharding, is_concrete_array
 from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of, replaced
 from ._storage import Spec, decode, encode, storage_struct
 
@@ -141,12 +143,18 @@ def entry_kept(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
     """`entry` of a concrete slot (an eager call): decoded once per value table and entry,
     and kept while the table lives, so that a hit reads it with no copy (a hit passes the
     table on as it is: `passed_on`). The value is the same array at every hit; one
-    deleted since (donated) is decoded again."""
+    deleted since (donated) is decoded again. It is where the method put it (`stored`)."""
     i = int(index)
     found = _DECODED.get(slot.value)
     if found is not None and found[0] == i and found[1] == spec:
         return found[2]
     value = entry(slot, index, spec)
+    placed = _PLACED.get(slot.value)
+    if placed is not None and i in placed:
+        leaves, treedef = jtu.tree_flatten(value)
+        value = treedef.unflatten(
+            x if s is None else jax.device_put(x, s) for x, s in zip(leaves, placed[i])
+        )
     _DECODED.put(slot.value, (i, spec, value))
     return value
 
@@ -189,13 +197,68 @@ def entry_leaves(slot: Memo) -> list[Array]:
     return [x for f in HIT_UNCHANGED if (x := fields[f]) is not None]
 
 
-@functools.partial(jax.jit, static_argnums=2)
+# A value table -> where the method put the values of some of its entries, where not on
+# the table's devices: entry -> the sharding of each leaf (None: the table's).
+_PLACED = ByIdentity("entries placed elsewhere")
+
+
 def stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
 ) -> tuple[Memo, Array]:
     """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
     over the entry holding `key` if any, else an empty or the least recently used one,
-    with the dependencies' `snapshot` where the slot keeps them; and that entry's index."""
+    with the dependencies' `snapshot` where the slot keeps them; and that entry's index.
+
+    Eagerly, a value the method put on other devices (its own `jax.device_put`) is
+    copied onto the slot's: the tables stay where they are (where the module's arrays are
+    while not committed), and where the method put it is kept by the table's identity,
+    as the decoded entries are, so that the entry is read back there (`entry_kept`), as
+    the method returns it. Inside a trace, the trace places the value."""
+    table = slot.value
+    if not is_concrete_array(table) or not is_concrete_array(key):
+        return _stored(slot, value, spec, key, snapshot)
+    home = table.sharding if table.committed else key.sharding
+    leaves, treedef = jtu.tree_flatten(value)
+    placement = tuple(map(functools.partial(_elsewhere, home=home.device_set), leaves))
+    moved = any(s is not None for s in placement)
+    before = _PLACED.get(table)
+    if not moved and before is None:  # (the common case)
+        return _stored(slot, value, spec, key, snapshot)
+    if moved:
+        onto = _replicated(home)
+        value = treedef.unflatten(
+            x if s is None else jax.device_put(x, onto) for x, s in zip(leaves, placement)
+        )
+    new, index = _stored(slot, value, spec, key, snapshot)
+    i = int(index)
+    placed = {j: s for j, s in (before or {}).items() if j != i}
+    if moved:
+        placed[i] = placement
+    if placed:
+        _PLACED.put(new.value, placed)
+    return new, index
+
+
+def _elsewhere(x: Any, home: Any) -> Any:
+    """The sharding of `x` where it is committed to devices other than `home`, else None
+    (an uncommitted array goes where the computation does)."""
+    if not is_concrete_array(x) or not x.committed or x.sharding.device_set == home:
+        return None
+    return x.sharding
+
+
+def _replicated(sharding: Any) -> Any:
+    """Every device of `sharding` holding all of a value."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return sharding
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _stored(
+    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
+) -> tuple[Memo, Array]:
+    """`stored`, its inputs on one set of devices."""
     same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
     oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
