@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 from . import _jax_internals
 from ._fingerprint import across_processes
 from ._jax_internals import is_concrete_array
+from ._key import StaticKey, same
 from ._slot import Memo
 from ._storage import Spec
 from ._table import entry_leaves, read_entry
@@ -101,29 +102,27 @@ class Hits:
         self._variants: dict[Any, set] = {}
 
     def decide(self, signature: Any, inputs: Sequence[Any]) -> tuple[tuple, list[Any]]:
-        """The hits known for a call of `signature` on `inputs` (the positions of each
-        slot's entry leaves, sorted; a static argument), and for each one the index of
-        its entry and the value that entry holds (device arrays: `Decided`)."""
+        """The hits known for a call of `signature` on `inputs` (each slot's `Held`, in
+        the order of its entries' positions; a static argument), and for each one the
+        index of its entry and the value that entry holds (device arrays: `Decided`)."""
         records = self._records  # one snapshot (another thread may replace it whole)
         if not records:
             return (), []
-        found, compared, same = [], None, False
+        found, compared, alike = [], None, False
         context = _jax_internals.jit_context()
         for record in records:
             if record.signature is not compared:
                 compared = record.signature
-                same = record.context == context and (
-                    compared is signature or compared == signature
-                )
+                alike = same((compared, record.context), (signature, context))
             if (
-                same
+                alike
                 and _is(record.entries, record.held.entries, inputs)
                 and _is(record.reads, record.held.reads, inputs)
             ):
                 found.append(record)
         if not found:
             return (), []
-        hits = tuple(record.held.entries for record in found)
+        hits = tuple(record.held for record in found)
         variants = records[0].variants
         if hits not in variants:
             if len(variants) >= MAX_VARIANTS - 1 or across_processes(inputs):
@@ -151,7 +150,7 @@ class Hits:
             # its entries passed through: the records would be made again as they are.
             return
         given = dict(zip(*decided))
-        if old and (old[0].signature is signature or old[0].signature == signature):
+        if old and same(old[0].signature, signature):
             variants = old[0].variants
         else:
             variants = self._variants.get(signature)
@@ -161,7 +160,7 @@ class Hits:
                 variants = self._variants[signature] = set()
         records, context = [], _jax_internals.jit_context()
         for h, entries, index in sorted(held, key=lambda item: item[0].entries):
-            known = given.get(h.entries) if index is None else None
+            known = given.get(h) if index is None else None
             index = known.index if known is not None else index
             reads = [inputs[i] for i in h.reads]
             if not all(map(is_concrete_array, [*entries, *reads, index])):
@@ -190,22 +189,28 @@ class Decided(NamedTuple):
 
 class Claims:
     """The cached calls one trace claimed (`_prehash.Scope.claim`), and the hits its
-    wrapper decided on the host (`hits`: per slot, by the input positions of its entry
-    leaves, the input tracers of its `Decided`)."""
+    wrapper decided on the host (`hits`: per slot, by its record's `Held`, the input
+    tracers of its `Decided`)."""
 
-    def __init__(self, hits: dict[tuple[int, ...], Decided]):
-        self._hits = hits
-        # Per slot claimed (its entries' positions): the positions each claimed call's
-        # decision read with the type of its value, and the slot and entry index the
-        # last one left.
-        self._calls: dict[tuple[int, ...], list[tuple[tuple[int, ...], Spec]]] = {}
+    def __init__(self, hits: dict[Held, Decided]):
+        self._hits = {h.entries: (h, decided) for h, decided in hits.items()}
+        # Per slot claimed (its entries' positions): what each claimed call held, and the
+        # slot and entry index the last one left.
+        self._calls: dict[tuple[int, ...], list[Held]] = {}
         self.left: dict[tuple[int, ...], tuple[Memo, Any]] = {}
 
-    def claim(self, entries: tuple[int, ...], reads: tuple[int, ...], spec: Spec) -> Claim:
+    def claim(
+        self, entries: tuple[int, ...], reads: tuple[int, ...], spec: Spec, key: StaticKey
+    ) -> Claim:
         """A call on the slot whose entries are inputs `entries`, deciding from `reads`,
-        for a value of `spec`."""
-        self._calls.setdefault(entries, []).append((reads, spec))
-        return Claim(self, entries, self._hits.get(entries))
+        for a value of `spec`, under static key `key`. It reads the hit the host decided
+        only where that hit's record was made under an equal `Held` (`_key.same`: the
+        same static key, the same positions read)."""
+        held = Held(entries, reads, spec, key)
+        self._calls.setdefault(entries, []).append(held)
+        found = self._hits.get(entries)
+        decided = found[1] if found is not None and same(found[0], held) else None
+        return Claim(self, entries, decided)
 
     def held(self, out: Sequence[Memo], keeps_indices: bool) -> list[tuple[Held, int, Any]]:
         """The claimed slots the host can vouch for after this call: every call on the
@@ -226,9 +231,9 @@ class Claims:
             if left is None or len(set(calls)) != 1 or ids(left[0]) not in where:
                 continue
             index, decided = left[1], self._hits.get(entries)
-            if keeps_indices and decided is not None and index is decided.index:
+            if keeps_indices and decided is not None and index is decided[1].index:
                 index = None
-            found.append((Held(entries, *calls[0]), where[ids(left[0])], index))
+            found.append((calls[0], where[ids(left[0])], index))
         return found
 
 
@@ -247,9 +252,22 @@ class Claim:
 @dataclasses.dataclass(frozen=True)
 class Held:
     """A slot that holds, after a call, the value for what its decision read: the input
-    positions of the slot's entry leaves and of what the decision reads, and the type of
-    the value (how to decode it)."""
+    positions of the slot's entry leaves and of what the decision reads, the type of the
+    value (how to decode it), and the static key of the call (`_key.py`: the method,
+    every array's type, every non-array part). With the arrays at `reads` by identity,
+    it is the key of the call as the host sees it. A static argument of the program of
+    a decided hit: a record's `Held` is part of `jax.jit`'s cache key, so the trace that
+    compares it with its own calls' (`Claims.claim`) decides once per program."""
 
     entries: tuple[int, ...]
     reads: tuple[int, ...]
     spec: Spec
+    key: StaticKey
+
+    def __hash__(self) -> int:
+        # Hashed once: `jax.jit` hashes the hit set at every call.
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.entries, self.reads, self.spec, self.key))
+            object.__setattr__(self, "_hash", found)
+        return found

@@ -19,12 +19,20 @@ count (as NumPy elides temporaries): exact in CPython, calibrated once, and only
 wrong towards copying. In the threaded loop (`out, model = step(model, x)`) the old
 module is gone by the next call, so every hit copies nothing; a kept module costs one
 copy at the next call.
+
+**Threads.** Reference counts say who holds an array at one moment; another thread may
+flatten the same module a moment later, and pass arrays that this call then deletes.
+So a donating call reads the counts, dispatches and hands over under one lock
+(`exclusive`): a thread that shares the module finds, once the lock is free, the node
+as the call left it, with live arrays. One thread alone takes a free lock (~0.1 us).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
+import threading
 
 from ._jax_internals import is_concrete_array
 from ._slot import Memo
@@ -59,6 +67,15 @@ def shared(leaves: list, a: int, b: int) -> frozenset[int] | None:
     if not is_concrete_array(leaves[a]):
         return None
     return frozenset(j - a for j in range(a, b) if _references(leaves, j) != _HELD_ONCE)
+
+
+_LOCK = threading.RLock()  # (reentrant: a donating call may be traced inside another)
+
+
+def exclusive(donating: bool) -> contextlib.AbstractContextManager:
+    """Held from taking a call apart to handing over its donated slots, where it donates:
+    no other thread flattens a slot's arrays in between (see the module docstring)."""
+    return _LOCK if donating else contextlib.nullcontext()
 
 
 _SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))

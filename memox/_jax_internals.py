@@ -20,13 +20,19 @@ visible at that level" is a walk up that chain. Loop bodies are traced by a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend
 import numpy as np
-from jax._src import config as _config, core as _core, traceback_util as _traceback_util
+from jax._src import (
+    config as _config,
+    core as _core,
+    source_info_util as _source_info,
+    traceback_util as _traceback_util,
+    tree_util as _tree_util,
+)
 from jax._src.interpreters import ad as _ad, batching as _batching, partial_eval as _pe
 
 
@@ -77,6 +83,18 @@ def visible_at(value: Any, trace: Any) -> bool:
 _DIFFERENTIATING = tuple(
     getattr(_ad, name) for name in ("JVPTrace", "LinearizeTrace") if hasattr(_ad, name)
 )
+
+
+def differentiated_since(outer: Any) -> bool:
+    """Whether a differentiation (`jax.jvp`, or `jax.linearize`, which `jax.grad` and
+    `jax.vjp` use) opened inside `outer`'s program is running now: the current trace has
+    `outer` as an ancestor, with a differentiation trace between them."""
+    opened = False
+    for trace in _lineage(current()):
+        if trace is outer:
+            return opened
+        opened |= isinstance(trace, _DIFFERENTIATING)
+    return False  # elsewhere: a backward pass run after that program, or no trace
 
 
 def differentiating_in(trace: Any, outer: Any) -> bool:
@@ -187,28 +205,17 @@ def staged_since(trace: Any, start: int) -> list[Any]:
     return out
 
 
-def live_name_stacks(trace: Any, outputs: list[Any]) -> Iterator[str]:
-    """The name stacks of the equations `trace` has staged that `outputs` (values of it)
-    depend on: JAX's own dead-code elimination of the program, then of each jaxpr
-    inside it (a loop body, a `while_loop` condition, a branch, a call) with respect to
-    that jaxpr's own outputs, so that what cannot leave a jaxpr counts as dead whether
-    or not the rule of its primitive prunes it."""
-    frame = trace.frame
-    outvars: list[Any] = [
-        x.val for x in outputs if isinstance(x, jax.core.Tracer) and x._trace is trace
-    ]
-    constvars, invars = list(frame.constvar_to_val), list(frame.invars)
-    info = _core.DebugInfo("memox", "the program of a memox.call", None, None)
-    jaxpr = _core.Jaxpr(constvars, invars, outvars, frame.get_eqns(), frozenset(), info)
-    return name_stacks(_pe.dce_jaxpr(jaxpr, [True] * len(outvars))[0].eqns, live=True)
+def scope_names(eqns: Iterable[Any], *, live: bool = False) -> Iterator[str]:
+    """The `jax.named_scope`s each of `eqns` was staged under, and those of every
+    equation in the jaxprs their parameters hold (loop bodies, branches, calls),
+    recursively; with `live`, of those each jaxpr's outputs or effects depend on.
 
-
-def name_stacks(eqns: list[Any], *, live: bool = False) -> Iterator[str]:
-    """The name stack (`jax.named_scope`s) of each of `eqns` and of every equation in
-    the jaxprs their parameters hold (loop bodies, branches, calls), recursively; with
-    `live`, of those each jaxpr's outputs or effects depend on."""
+    Read from the name stack's entries (`Scope`s, between the `Transform`s that
+    transformations add), so that no transformation can hide one."""
     for eqn in eqns:
-        yield str(eqn.source_info.name_stack)
+        for entry in eqn.source_info.name_stack.stack:
+            if isinstance(entry, _source_info.Scope):
+                yield entry.name
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -216,7 +223,22 @@ def name_stacks(eqns: list[Any], *, live: bool = False) -> Iterator[str]:
                 if isinstance(sub, jax.extend.core.Jaxpr):
                     if live:
                         sub = _pe.dce_jaxpr(sub, [True] * len(sub.outvars))[0]
-                    yield from name_stacks(list(sub.eqns), live=live)
+                    yield from scope_names(sub.eqns, live=live)
+
+
+def live_equations(trace: Any, outputs: list[Any]) -> list[Any]:
+    """The equations `trace` has staged that `outputs` (values of it) depend on: JAX's
+    own dead-code elimination of the program (each jaxpr inside it is pruned with
+    respect to its own outputs by `scope_names(..., live=True)`, so that what cannot leave a
+    jaxpr counts as dead whether or not the rule of its primitive prunes it)."""
+    frame = trace.frame
+    outvars: list[Any] = [
+        x.val for x in outputs if isinstance(x, jax.core.Tracer) and x._trace is trace
+    ]
+    constvars, invars = list(frame.constvar_to_val), list(frame.invars)
+    info = _core.DebugInfo("memox", "the program of a memox.call", None, None)
+    jaxpr = _core.Jaxpr(constvars, invars, outvars, frame.get_eqns(), frozenset(), info)
+    return list(_pe.dce_jaxpr(jaxpr, [True] * len(outvars))[0].eqns)
 
 
 def is_batched(x: Any) -> bool:
@@ -288,6 +310,27 @@ def varying_like(tree: Any, like: Any) -> Any:
 
 
 _PROCESSES: list[int] = []
+
+
+def children_and_data(node: Any) -> tuple[Any, Any] | None:
+    """The children of pytree node `node` and the data its tree structure holds for it
+    (JAX's flatten of one level), or None where `node` is a leaf."""
+    try:
+        return _tree_util.flatten_one_level(node)
+    except ValueError:
+        return None
+
+
+def explicit_sharding(aval: Any) -> Any:
+    """The sharding of `aval` where its mesh has `Explicit` axes (part of the type
+    there), else `None` (placement only: XLA propagates it, the value is the same)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding
 
 
 def process_count() -> int:

@@ -44,6 +44,7 @@ import jax.tree_util as jtu
 from . import _decided, _errors, _prehash
 from ._caches import ByIdentity
 from ._call import changed_slots, check_fn, check_module, run
+from ._donation import exclusive
 from ._lifecycle import allocated
 from ._partition import Signature, Signatures, refilled, with_entries, without_entries
 from ._sites import slots
@@ -166,7 +167,7 @@ class _Jit:
         if not split.ready:  # rare: allocate, or revive
             given, module = module, self._latest.get(module) or allocated(module)
             split = Signature.split(module, args, kwargs, donating)
-        split.signature = self._signatures.same(split.signature)
+        split.signature = self._signatures.same(split.signature, module)
         hits, decided = self._hits.decide(split.signature, split.flat())
         slot_leaves, kept = split.parted(hits)
         if donating:
@@ -176,6 +177,10 @@ class _Jit:
         return split, given, kept, call
 
     def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        with exclusive(self.donate):
+            return self._call(module, args, kwargs)
+
+    def _call(self, module: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
         _, hits, *_, decided = call  # (not donated: `Hits.learn` keeps their indices)
         try:
@@ -194,6 +199,7 @@ class _Jit:
         ]
         self._hits.learn(split.signature, vouched, split.flat(), (hits, decided))
         new_module = split.put(new_slots)
+        self._signatures.returned(split.signature, new_module)
         split.hand_over(new_slots)
         if given is not None:
             self._latest.put(given, new_module)

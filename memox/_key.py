@@ -31,13 +31,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import operator
 import os
+import types
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _jax_internals
-from ._token import serialise
+from ._jax_internals import children_and_data, explicit_sharding
+from ._token import serialise, token
 
 
 # -- (2) the abstract type of an array -------------------------------------------------
@@ -60,18 +64,6 @@ def _sharding_parts(sharding: Any) -> tuple[Any, ...]:
     spec = tuple(e if e is None or isinstance(e, str) else tuple(e) for e in sharding.spec)
     types = tuple(str(t) for t in mesh.axis_types)
     return tuple(mesh.axis_names), tuple(mesh.axis_sizes), types, spec
-
-
-def explicit_sharding(aval: Any) -> Any:
-    """The sharding of `aval` where its mesh has `Explicit` axes (part of the type
-    there), else `None` (placement only: XLA propagates it, the value is the same)."""
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True):
-        return None
-    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
-        return None
-    return sharding
 
 
 def varying(aval: Any) -> tuple[str, ...]:
@@ -108,3 +100,80 @@ def static_key(*tokens: Any) -> StaticKey:
     out: list[bytes] = []
     local = serialise(tokens, out)
     return StaticKey(b"".join(out), local)
+
+
+# -- static parts compared exactly, cheaply -------------------------------------------
+
+
+def exact_under_eq(treedef: Any) -> bool:
+    """Whether `PyTreeDef.__eq__`, which compares the data of each node with `==`, is
+    exact for tree structures equal to `treedef`: no node holds data that an unequal
+    value could equal. Strings, `None`, classes, functions and objects compared by
+    identity are exact; numbers are not (`1 == True == 1.0`, `0.0 == -0.0`), nor are
+    arrays and objects with their own `__eq__`. Both sides of an equality fall in the
+    same class, so the answer for one structure holds for every structure equal to it."""
+    stack = [treedef]
+    while stack:
+        t = stack.pop()
+        data = t.node_data()
+        if data is not None and not _exact_datum(data[1]):
+            return False
+        stack.extend(t.children())
+    return True
+
+
+def _exact_datum(x: Any) -> bool:
+    kind = type(x)
+    if x is None or kind is str:
+        return True
+    if kind is tuple or kind is list:  # (a dict's keys are a list)
+        return all(map(_exact_datum, x))
+    if isinstance(x, type) or kind is types.FunctionType or kind is types.BuiltinFunctionType:
+        return True
+    return kind.__eq__ is object.__eq__  # compared by identity
+
+
+def same_nodes(new: Any, old: Any) -> bool:
+    """Whether pytrees `new` and `old`, whose tree structures are equal, hold exactly the
+    same data in every node. A subtree that both share (the same object) is skipped: a
+    threaded module shares all but the nodes on the paths to its slots. Elsewhere the
+    data of two nodes are equal where each part is the same object, else where their
+    tokens are equal. Leaves are not compared."""
+    stack = [(new, old)]
+    while stack:
+        a, b = stack.pop()
+        if a is b or isinstance(a, _ARRAYS):
+            continue
+        one, other = children_and_data(a), children_and_data(b)
+        if one is None or other is None:
+            continue
+        if not _same_data(one[1], other[1]):
+            return False
+        stack.extend(zip(one[0], other[0]))
+    return True
+
+
+def _same_data(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+        if all(map(operator.is_, a, b)):
+            return True
+    return token(a) == token(b)
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
+# -- the verdict -----------------------------------------------------------------------
+
+
+def same(recorded: Any, now: Any) -> bool:
+    """Whether key `recorded`, under which a value was stored, is key `now` of a call:
+    the one comparison of keys on the host. A key here is a frozen value built of static
+    keys (their canonical bytes), input positions and value types, so equality is exact
+    (never a user object's `==`). The values read complete it: the in-graph check
+    compares their fingerprints, salted with the static key's digest; a compiled
+    wrapper's host compares the arrays themselves by identity (`_decided.Hits.decide`:
+    an immutable array is its fingerprint)."""
+    return recorded is now or recorded == now

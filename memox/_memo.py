@@ -112,7 +112,7 @@ class Memoised:
         reads = [*deps, *call.arg_arrays] if policy.snapshots else keyed
         claim = None
         if markers is None:
-            claim = _prehash.claim(slot, policy.max_age, reads, self.plan.spec)
+            claim = _prehash.claim(slot, policy.max_age, reads, self.plan.spec, self.plan.key)
         if claim is not None and claim.decided is not None:  # a hit, decided on the host
             # (its value, read from the table once on the host: an input of the program)
             index, value = claim.decided

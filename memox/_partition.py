@@ -21,6 +21,9 @@ donated), put back inside the trace (`refilled`), and leave the compiled functio
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,9 +35,11 @@ import numpy as np
 from ._caches import Cache
 from ._donation import hand_over, shared
 from ._jax_internals import is_concrete_array
+from ._key import exact_under_eq, same, same_nodes
 from ._sites import layout as layout_of, replace_slots, with_nodes
-from ._slot import HIT_UNCHANGED, Memo, is_memo, leaves_of, replaced
+from ._slot import HIT_UNCHANGED, Memo, is_memo, is_value_table, leaves_of, replaced
 from ._table import copied
+from ._token import token
 
 
 ARRAY = object()  # marks a leaf passed as an array
@@ -140,7 +145,7 @@ class _Split:
         out = list(self.slot_leaves)
         starts = _starts(len(self.arrays), out)
         kept = []
-        for positions in hits:  # (in `entry_leaves`' order, the value first)
+        for positions in (h.entries for h in hits):  # (`entry_leaves`' order, value first)
             i = starts[positions[0]]
             at = [p - positions[0] for p in positions]
             kept.append([out[i][j] for j in at])
@@ -178,12 +183,18 @@ class _Split:
                 hand_over(owner, jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), owner))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Signature:
     """What a call is compiled for (the static argument of `jax.jit`, hashable): the
     tree structures of the module and of the arguments, and every leaf that is not an
     array. The arrays travel separately: the module's then the arguments', and the
-    allocated slots' leaves, one list per slot."""
+    allocated slots' leaves, one list per slot.
+
+    Two signatures are equal exactly when their non-array parts have equal tokens
+    (`_key.same` on `exact`): `jax.jit` finds a program by this equality, so a static
+    field or a leaf going from `1` to `True`, or from `0.0` to `-0.0`, compiles anew,
+    as the method's static key would differ (`PyTreeDef.__eq__` and `==` alone would
+    not see it)."""
 
     module: Any  # treedef of the module
     module_leaves: tuple[Any, ...]  # the leaf where static, else `ARRAY` or a `_SlotLeaf`
@@ -198,6 +209,42 @@ class Signature:
             found = hash((self.module, self.module_leaves, self.arguments, self.argument_leaves))
             object.__setattr__(self, "_hash", found)
         return found
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Signature:
+            return NotImplemented
+        return self.loosely(other) and same(self.exact, other.exact)
+
+    def loosely(self, other: Signature) -> bool:
+        """Equal by `==` (what `eqx.filter_jit` compares): necessary, not sufficient."""
+        return (
+            self.module == other.module
+            and self.arguments == other.arguments
+            and self.module_leaves == other.module_leaves
+            and self.argument_leaves == other.argument_leaves
+        )
+
+    @functools.cached_property
+    def exact(self) -> Any:
+        """The tokens of the non-array parts (computed where two signatures equal by `==`
+        are compared, once per signature object)."""
+        statics = [x for x in (*self.module_leaves, *self.argument_leaves) if not _is_marker(x)]
+        try:
+            return token((self.module, self.arguments, tuple(statics)))
+        except (TypeError, ValueError):  # no exact token (several processes): `==`
+            return _LOOSE
+
+    @functools.cached_property
+    def exact_modules(self) -> bool:
+        """Whether `==` is exact on the module's tree structure (`_key.exact_under_eq`)."""
+        return exact_under_eq(self.module)
+
+    @functools.cached_property
+    def exact_arguments(self) -> bool:
+        """Whether `==` is exact on the arguments' tree structure."""
+        return exact_under_eq(self.arguments)
 
     @classmethod
     def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
@@ -217,7 +264,7 @@ class Signature:
         seen: dict[int, int] = {}
         ready = True
         for k, (a, b) in enumerate(layout.ranges):
-            if a < 0 or not isinstance(leaves[a], ARRAY_TYPES):  # empty, or filtered out
+            if a < 0 or not is_value_table(leaves[a]):  # empty, or filtered out
                 ready = False
                 continue
             value = leaves[a]
@@ -334,19 +381,64 @@ class Signature:
 
 
 class Signatures:
-    """The signature a wrapper's last call had: a call whose signature equals it passes
-    that very object (compared item by item, most by identity, where hashing a new one
-    walks its every leaf)."""
+    """The signature a wrapper's last call had, passed again where a call's is provably
+    the same (`jax.jit` then finds its program by identity, where comparing a new one
+    computes its tokens): the same tree structures, every non-array leaf the same
+    object, and, where `==` is not exact on the structures' node data, the same node
+    data (`_key.same_nodes`, against the module the last call was given or returned: a
+    threaded loop passes the returned one, which shares all but a few nodes). Anything
+    else gives the new signature, which `jax.jit` compares exactly."""
 
     def __init__(self) -> None:
-        self._last: Signature | None = None
+        self._last: tuple[Signature, tuple[Any, ...]] | None = None
 
-    def same(self, signature: Signature) -> Signature:
+    def same(self, signature: Signature, module: Any) -> Signature:
         last = self._last  # (one read: another thread may replace it)
-        if last is not None and last == signature:
-            return last
-        self._last = signature
+        if last is not None and _provably_same(last[0], signature, module, last[1]):
+            signature = last[0]
+        self._last = (signature, _refs(module))
         return signature
+
+    def returned(self, signature: Signature, module: Any) -> None:
+        """The call of `signature` returned `module` (a threaded loop's next input)."""
+        last = self._last
+        if last is not None and last[0] is signature:
+            self._last = (signature, (*last[1], *_refs(module)))
+
+
+def _refs(module: Any) -> tuple[Any, ...]:
+    try:
+        return (weakref.ref(module),)
+    except TypeError:  # (a tuple or a dict of modules)
+        return ()
+
+
+def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any, ...]) -> bool:
+    if not (
+        all(map(operator.is_, last.module_leaves, new.module_leaves))
+        and all(map(operator.is_, last.argument_leaves, new.argument_leaves))
+        and len(last.module_leaves) == len(new.module_leaves)
+        and len(last.argument_leaves) == len(new.argument_leaves)
+        and last.module == new.module
+        and last.arguments == new.arguments
+    ):
+        return False
+    if not last.exact_arguments:
+        return False
+    if last.exact_modules:
+        return True
+    for ref in refs:
+        old = ref()
+        if old is not None and same_nodes(module, old):
+            return True
+    return False
+
+
+def _is_marker(x: Any) -> bool:
+    return x is ARRAY or type(x) is _SlotLeaf or type(x) is _Slot
+
+
+_LOOSE = ("\x00loose",)  # `Signature.exact` where a part has no exact token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +480,7 @@ def refilled(n_arrays: int, hits: tuple, slot_leaves: list, kept: list) -> list:
         return slot_leaves
     out = list(slot_leaves)
     starts = _starts(n_arrays, slot_leaves)
-    for positions, entries in zip(hits, kept):
+    for positions, entries in zip((h.entries for h in hits), kept):
         i = starts[positions[0]]
         leaves = list(out[i])
         for p, x in zip(positions, entries):

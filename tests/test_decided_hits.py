@@ -386,3 +386,105 @@ def test_decided_hits_where_the_first_argument_is_donated():
         assert "conditional" not in step.lower(m, jnp.ones(8)).compile().as_text()
     np.testing.assert_array_equal(y, (jnp.arange(64.0).reshape(8, 8) ** 2).sum(axis=1))
     assert c.n == 1 and memox.stats(m)["cache"].hits == 3
+
+
+# -- the host decides from the whole key (issue 31, case 1) -----------------------------
+
+
+class ByType(eqx.Module):
+    """A method that reads `x` for its type only: `x` is no dependency of its jaxpr, but
+    its shape and dtype are in the key."""
+
+    x: jax.Array
+    a: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def typed(self):
+        self.counter.tick()
+        return _typed(self)
+
+
+class ManualByType(eqx.Module):
+    x: jax.Array
+    a: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache", policy=memox.policies.Manual())
+    def typed(self):
+        self.counter.tick()
+        return _typed(self)
+
+
+def _typed(m):
+    return jnp.sum(m.a) * m.x.shape[0] + jnp.float32(jnp.finfo(m.x.dtype).eps)
+
+
+@pytest.mark.parametrize("kind", [ByType, ManualByType])
+@pytest.mark.parametrize("wrapper", ["memox.jit", "memox.filter_jit"])
+def test_a_new_type_of_an_unread_array_is_a_miss_on_the_host(kind, wrapper):
+    # Regression (issue 31, case 1): a host-decided hit compared only the identity of
+    # the arrays the method reads, so replacing `x` (read for its shape or dtype) by an
+    # array of another type returned the old value.
+    counter = Counter()
+    if wrapper == "memox.jit":
+        step = memox.jit(lambda m: m.typed())
+    else:
+        step = memox.filter_jit(lambda m: memox.call(m, lambda m: m.typed()))
+    m = kind(jnp.ones(3), jnp.ones(2), counter)
+    xs = [jnp.ones(3), jnp.ones(3), jnp.ones(5), jnp.ones(5), jnp.ones(5, jnp.float16)]
+    xs += [jnp.ones(5, jnp.float16), jnp.ones((5, 2)), jnp.ones(3)]
+    runs = []
+    for x in xs:
+        m = eqx.tree_at(lambda m: m.x, m, x)
+        value, m = step(m)
+        jax.effects_barrier()
+        runs.append(counter.n)
+        np.testing.assert_array_equal(value, _typed(m))
+    # A miss at each new type, a hit otherwise (the arrays keep their objects).
+    assert runs == [1, 1, 2, 2, 3, 3, 4, 5], runs
+
+
+# -- a signature is compared exactly (issue 31, case 2) ---------------------------------
+
+
+class Statics(eqx.Module):
+    a: jax.Array
+    field: object = eqx.field(static=True)
+    leaf: object
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def mixed(self):
+        return _mixed(self)
+
+
+def _mixed(m):
+    return (
+        jnp.asarray(m.field),
+        jnp.copysign(1.0, jnp.float32(m.field)),
+        jnp.asarray(m.leaf),
+        jnp.copysign(1.0, jnp.float32(m.leaf)),
+        2 * m.a,
+    )
+
+
+def test_equal_but_different_statics_are_new_signatures():
+    # Regression (issue 31, case 2): `memox.jit` passed the previous call's signature
+    # where the new one was `==` to it, so `1 -> True -> 1.0` (or `0.0 -> -0.0`) in a
+    # static field or a non-array leaf returned the value for the old one, and traced
+    # with it after a retrace for new shapes.
+    step = memox.jit(lambda m: m.mixed())
+    m = Statics(jnp.ones(2, jnp.int32), 1, 1)
+    cases = [(1, 1, 2), (True, True, 2), (1.0, 1.0, 2), (1, 1, 3), (True, True, 3)]
+    cases += [(1.0, 1.0, 3), (-0.0, 0.0, 3), (0.0, -0.0, 3), (-0.0, 0.0, 3)]
+    for field, leaf, n in cases:
+        slot = m.cache if m.a.shape[0] == n else Memo()
+        m = Statics(jnp.ones(n, jnp.int32), field, leaf, slot)
+        value, m = step(m)
+        for got, want in zip(value, _mixed(m)):
+            assert jax.typeof(got) == jax.typeof(want), (field, leaf, got, want)
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+            np.testing.assert_array_equal(got, want)

@@ -3,11 +3,13 @@ arrays are donated only where its node alone holds them, and that node is given 
 returned slot; anything else holding them gets a copy donated in their place
 (`memox/_donation.py`)."""
 
+import threading
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import Checked, Counter, Foo, foo
+from helpers import Checked, Counter, Foo, foo, run_threads
 
 import memox
 import memox._partition
@@ -124,3 +126,38 @@ def test_a_module_kept_costs_one_copy_though_it_shares_the_hits_entries(monkeypa
     assert len(copies) == 1
     assert memox.stats(h)["f.b_cache"].hits == 5 and c.n == 1
     assert not any(x.is_deleted() for x in jax.tree.leaves(best))
+
+
+class _Served(eqx.Module):
+    w: jax.Array
+    cache: memox.Memo[jax.Array] = memox.Memo()
+
+    @memox.cached("cache")
+    def gram(self):
+        return jnp.tanh(self.w @ self.w.T)
+
+
+def test_threads_sharing_one_model_lose_nothing_to_donation():
+    # Regression (issue 31, case 8): four threads serving one filled model through one
+    # `memox.jit` (donating, the returned model not threaded) raised "Buffer has been
+    # deleted or donated" (3 to 122 calls of 800): one thread donated the slot's arrays
+    # that another had just flattened.
+    step = memox.jit(lambda m, x: m.gram() @ x)
+    model = _Served(jnp.ones((32, 32)) / 32)
+    for _ in range(2):
+        _, model = step(model, jnp.ones(32))
+    expected = jnp.tanh(model.w @ model.w.T)
+    lock, results = threading.Lock(), []
+
+    def serve(i, barrier):
+        barrier.wait()
+        for k in range(100):
+            x = jnp.full(32, float(k + i))
+            y, _ = step(model, x)
+            with lock:
+                results.append((x, y))
+
+    run_threads(serve, n=4)
+    assert len(results) == 400
+    for x, y in results:
+        assert jnp.allclose(y, expected @ x, rtol=1e-5)

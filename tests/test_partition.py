@@ -109,7 +109,7 @@ def test_a_loop_passes_one_signature_hashed_once(monkeypatch):
     for x in (1.0, 2.0, 3.0, 4.0):
         y, m = step(m, jnp.float32(x))
         np.testing.assert_allclose(y, 2 * x * np.ones(3))
-        signatures.append(step._signatures._last)
+        signatures.append(step._signatures._last[0])
     # The signature of the loop's calls is one object from the second call on (the first
     # call allocated the slots: another signature), hashed when it was new only.
     assert signatures[1] is signatures[2] is signatures[3]
@@ -117,5 +117,5 @@ def test_a_loop_passes_one_signature_hashed_once(monkeypatch):
     # A call with another static part (a Python float for an array) gets its own.
     y, m = step(m, 5.0)
     np.testing.assert_allclose(y, 10 * np.ones(3))
-    assert step._signatures._last is not signatures[3]
-    assert step._signatures._last != signatures[3]
+    assert step._signatures._last[0] is not signatures[3]
+    assert step._signatures._last[0] != signatures[3]
