@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,9 @@ import jax.tree_util as jtu
 
 from . import _context, _errors, _jax_internals
 from ._caches import Cache
-from ._jax_internals import trace_context
-from ._key import StaticKey, explicit_sharding, signature, static_key
+from ._flops import FlopCount, count_jaxpr
+from ._jax_internals import explicit_sharding, trace_context
+from ._key import StaticKey, signature, static_key
 from ._partition import ARRAY, hashable_combine, hashable_partition
 from ._policy import Policy
 from ._sites import Path, path_name
@@ -29,10 +30,6 @@ from ._slot import Memo, is_memo
 from ._storage import Spec, packed_size
 from ._table import allocate, conformed, mesh_of
 from ._token import node_token, token
-
-
-if TYPE_CHECKING:
-    from ._flops import FlopCount
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -241,8 +238,6 @@ def _supported(dtype: Any) -> bool:
 
 
 def _count(method: Method, run: Any, structs: list[list[Any]]) -> FlopCount:
-    from ._flops import count_jaxpr
-
     with _context.active(_context.Plain()):
         return count_jaxpr(jax.make_jaxpr(run)(*structs))
 

@@ -41,7 +41,7 @@ from jaxtyping import Array, PyTree
 
 from . import _jax_internals
 from ._errors import NO_BITS
-from ._key import explicit_sharding
+from ._jax_internals import explicit_sharding
 
 
 if TYPE_CHECKING:
