@@ -41,11 +41,38 @@ def check_fn(api: str, fn: Any) -> None:
         )
 
 
-def check_module(api: str, module: Any) -> None:
+def check_module(api: str, module: Any, args: tuple = (), kwargs: dict | None = None) -> None:
+    """Raise where `module` is a single leaf (an array, a plain Python object). For
+    `memox.jit`, whose `module` is the wrapped function's first argument, the message
+    says so, and names a later argument that holds slots."""
     if isinstance(module, eqx.Module):  # (a pytree node: no walk of it needed)
         return
     if not is_memo(module) and jtu.treedef_is_leaf(jtu.tree_structure(module)):
-        raise TypeError(_errors.NOT_A_PYTREE.format(api=api, got=type(module).__name__))
+        got = "a `jax.Array`" if isinstance(module, jax.Array) else type(module).__name__
+        if api == "jit":
+            where = _holding_slots(args, kwargs or {})
+            where = f"; {where} holds the slots" if where else ""
+            raise TypeError(_errors.FIRST_ARGUMENT.format(got=got, where=where))
+        raise TypeError(_errors.NOT_A_PYTREE.format(api=api, got=got))
+
+
+def check_slots_first(api: str, args: tuple, kwargs: dict) -> None:
+    """Raise where a call's module holds no slot but a later argument does: the arguments
+    are in the wrong order (the method would compute at every call, silently)."""
+    where = _holding_slots(args, kwargs)
+    if where is not None:
+        raise TypeError(_errors.SLOTS_IN_A_LATER_ARGUMENT.format(api=api, where=where))
+
+
+def _holding_slots(args: tuple, kwargs: dict) -> str | None:
+    """The first of `args` and `kwargs` that holds a slot, in words, or None."""
+    for i, x in enumerate(args):
+        if next(iter(slot_sites(x)), None) is not None:
+            return f"argument {i + 2} (a `{type(x).__name__}`)"
+    for name, x in kwargs.items():
+        if next(iter(slot_sites(x)), None) is not None:
+            return f"keyword argument `{name}`"
+    return None
 
 
 def allocate_plain_slots(module: M) -> M:
@@ -124,6 +151,8 @@ def run(
     With `discover`, cached methods only allocate their slots (for `memox.init`)."""
     # One walk of the module; each step below walks it again only if it changed it.
     sites = list(slot_sites(module))
+    if not sites:
+        check_slots_first("call", args, kwargs)
     if not discover:
         warn_if_closed_over(module, sites)
     module, sites = separated(*_allocated_plain(*_revived(module, sites)))

@@ -26,6 +26,11 @@ NOT_CALLABLE = (
     "module, e.g. `memox.{api}(Foo.b)`."
 )
 
+SCAN_NOT_CALLABLE = (
+    "`memox.scan`: `f`, as for `lax.scan`, must be callable, `f(carry, x) -> (carry, y)`; "
+    "got {got}. Pass the loop body first: `memox.scan(body, init, xs)`."
+)
+
 JIT_DONATE = (
     "`memox.jit`: `donate` must be a bool; got {got}. Pass `donate=True` (the default: "
     "the module's slot buffers are donated) or `donate=False`. The strings `'all'`, "
@@ -36,6 +41,19 @@ BOUND_METHOD = (
     "`memox.{api}`: `fn` is the bound method `{method}`, which carries its own copy of "
     "the module and would be called as `fn(module, ...)` with the module twice. Pass "
     "the unbound method instead: `{cls}.{name}`."
+)
+
+FIRST_ARGUMENT = (
+    "`memox.jit`: the wrapped function's first argument must be the module; got {got} "
+    "first{where}. Call `step(model, *args)` for `step = memox.jit(fn)`, where "
+    "`fn(model, *args)` calls the cached methods."
+)
+
+SLOTS_IN_A_LATER_ARGUMENT = (
+    "`memox.{api}`: the module given first holds no `memox.Memo` slot, but {where} does. "
+    "memox caches the slots of the first argument only. Pass the module holding them "
+    "first: `memox.call(model, fn, *args)`; for `step = memox.jit(fn)`, "
+    "`step(model, *args)` with `fn(model, *args)`."
 )
 
 NOT_A_PYTREE = (
@@ -246,4 +264,11 @@ MESH_NOT_FOUND = (
     "(it knows the mesh only abstractly). Call it where the mesh is set "
     "(`with jax.set_mesh(mesh):`, which also places new arrays on it), place one of the "
     "module's arrays on the mesh, or call it inside `memox.jit` / `jax.jit`."
+)
+
+FILTER_JIT_COMPILED_CALL = (
+    "`memox.filter_jit`: the compiled `{name}` (from `.lower(...).compile()`) was called "
+    "with arguments whose non-array parts or tree structure differ from those it was "
+    "lowered for: its program is fixed. Call it as it was lowered (the same structure, "
+    "the same non-array values), or lower and compile it again for these arguments."
 )

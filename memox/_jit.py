@@ -43,7 +43,7 @@ import jax.tree_util as jtu
 
 from . import _decided, _errors, _prehash
 from ._caches import ByIdentity
-from ._call import changed_slots, check_fn, check_module, run
+from ._call import changed_slots, check_fn, check_module, check_slots_first, run
 from ._donation import exclusive
 from ._lifecycle import allocated
 from ._partition import Signature, Signatures, refilled, with_entries, without_entries
@@ -162,7 +162,9 @@ class _Jit:
         compiled function (with the hits decided on the host)."""
         split = Signature.split(module, args, kwargs, donating)
         if jtu.treedef_is_leaf(split.signature.module):
-            check_module("jit", module)
+            check_module("jit", module, args, kwargs)
+        if not split.slots:
+            check_slots_first("jit", args, kwargs)
         given = None
         if not split.ready:  # rare: allocate, or revive
             given, module = module, self._latest.get(module) or allocated(module)

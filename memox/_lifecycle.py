@@ -76,9 +76,16 @@ def init(module: M, fn: Fn[..., Any] | None = None, /, *args: Any, **kwargs: Any
 
 
 def _same_storage(slot: Memo, shapes: Memo) -> bool:
-    return slot.allocated and (slot.value.shape, slot.value.dtype) == (
-        shapes.value.shape,
-        shapes.value.dtype,
+    """Whether `slot` is allocated with the tables `shapes` has (the value's and the
+    snapshot's: a `Drift` slot's snapshot grows with its dependencies)."""
+
+    def storage(s: Memo) -> list[tuple[Any, Any]]:
+        return [(x.shape, x.dtype) for x in jtu.tree_leaves(s)]
+
+    return (
+        slot.allocated
+        and jtu.tree_structure(slot) == jtu.tree_structure(shapes)
+        and storage(slot) == storage(shapes)
     )
 
 

@@ -131,6 +131,7 @@ class _Split:
     owners: list[Memo | None]
     shared: list[frozenset[int]]
     first: list[int]
+    slots: int  # how many slots the module holds (empty ones included)
 
     def flat(self) -> list[Any]:
         """The call's input arrays in one list: the arrays, then the slots' leaves (the
@@ -309,7 +310,17 @@ class Signature:
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return _Split(signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first)
+        return _Split(
+            signature,
+            arrays,
+            slot_leaves,
+            put,
+            ready,
+            owners,
+            shared_leaves,
+            first,
+            len(layout.ranges),
+        )
 
     @classmethod
     def _split_nested(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
@@ -353,7 +364,9 @@ class Signature:
             return jtu.tree_unflatten(treedef, leaves)
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
-        return _Split(signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first)
+        return _Split(
+            signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first, len(memos)
+        )
 
     @staticmethod
     def _arguments(args: tuple, kwargs: dict, arrays: list[Any]) -> tuple[tuple, Any]:

@@ -305,6 +305,9 @@ def fit(
     loop = _jax_internals.inside_loop_body()
     if slot.allocated and loop is not None:
         old = f"{slot.value.dtype}{list(slot.value.shape[1:])} (as stored)"
+        if slot.holds(the_plan.spec, slot.snapshot_bytes):  # the value fits: not its snapshot
+            where["new"] += f" reading {snapshot_bytes} bytes of dependencies"
+            old = f"a snapshot of {slot.snapshot_bytes} bytes"
         raise ValueError(_errors.RESHAPED_IN_LOOP.format(loop=loop, old=old, **where))
     # (Inside a trace, where no concrete mesh is known, `conformed` gives the table the
     # value's sharding where it is part of the type: `memox.init`'s discovery reads it.)

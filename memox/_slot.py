@@ -173,14 +173,18 @@ class Memo(eqx.Module, Generic[T]):
         `is_value_table(self.value)`."""
         return is_value_table(self.value)
 
+    @property
+    def snapshot_bytes(self) -> int | None:
+        """The bytes of the snapshot table's rows (None: no snapshot table)."""
+        return self.snapshot.shape[1] if eqx.is_array(self.snapshot) else None
+
     def holds(self, spec: Spec, snapshot_bytes: int | None) -> bool:
         """Whether this slot is allocated for values of `spec` (and such snapshots; None:
         no snapshot table)."""
         if not self.allocated:
             return False
         shape, dtype = storage_struct(spec)
-        snapshot = self.snapshot.shape[1] if eqx.is_array(self.snapshot) else None
-        return (self.value.shape, self.value.dtype, snapshot) == (
+        return (self.value.shape, self.value.dtype, self.snapshot_bytes) == (
             (self.size, *shape),
             dtype,
             snapshot_bytes,

@@ -109,15 +109,39 @@ def test_bound_method_is_refused():
 
 
 @pytest.mark.parametrize("module", [object(), jnp.ones(3), 1.0])
-@pytest.mark.parametrize("api", ["call", "init", "clear", "stats", "jit"])
+@pytest.mark.parametrize("api", ["call", "init", "clear", "stats"])
 def test_module_must_be_a_pytree(api, module):
     with pytest.raises(TypeError, match=rf"`memox.{api}`: `module` must be a pytree holding"):
         if api == "call":
             memox.call(module, lambda m: m)
-        elif api == "jit":
-            memox.jit(lambda m: m)(module)
         else:
             getattr(memox, api)(module)
+
+
+@pytest.mark.parametrize("module", [object(), jnp.ones(3), 1.0])
+def test_jit_says_the_first_argument_must_be_the_module(module):
+    # Regression (issue 32): `memox.jit(lambda x, m: ...)(x, model)` advised
+    # "`memox.jit(model, ...)`", which is no call anyone should write.
+    with pytest.raises(TypeError, match=r"first argument must be the module; .* `step\(model"):
+        memox.jit(lambda m: m)(module)
+    c = Counter()
+    with pytest.raises(TypeError, match=r"first argument must be .* argument 2 .* holds the slots"):
+        memox.jit(lambda x, m: m.b() * x)(module, foo(c))
+
+
+@pytest.mark.parametrize("api", ["call", "jit"])
+def test_slots_in_a_later_argument_are_refused(api):
+    # Regression (issue 32): with an optimizer state or a dict first and the model after
+    # it, the cached method recomputed at every call, silently.
+    c = Counter()
+    first = {"opt": jnp.ones(2)}
+    with pytest.raises(TypeError, match=rf"`memox.{api}`: the module given first holds no"):
+        if api == "call":
+            memox.call(first, lambda s, f: f.b(), foo(c))
+        else:
+            memox.jit(lambda s, f: f.b())(first, foo(c))
+    with pytest.raises(TypeError, match=r"keyword argument `model` does"):
+        memox.jit(lambda s, model: model.b())(first, model=foo(c))
 
 
 class Keyed(eqx.Module):
