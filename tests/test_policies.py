@@ -157,3 +157,29 @@ def test_policy_errors():
         memox.cached("x", policy="exact")
     with pytest.raises(TypeError, match=r"is not a method decorated with `memox.cached`"):
         memox.invalidate(_model(Exact(), Counter()), len)
+
+
+class _DriftSum(eqx.Module):
+    read: jax.Array
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache", policy=memox.policies.Drift(rtol=1e-3))
+    def total(self):
+        return jnp.stack([jnp.sum(self.read), jnp.float32(self.read.shape[0])])
+
+
+def test_init_reallocates_a_snapshot_that_no_longer_fits():
+    # Regression: `memox.init` compared only the value table, so a `Drift` slot filled for
+    # a dependency of 3 floats kept its 12-byte snapshot table after the dependency grew
+    # to 4, and a `lax.scan` over the module raised about the value's shape.
+    m = _DriftSum(jnp.arange(3.0))
+    _, m = memox.call(m, _DriftSum.total)
+    grown = memox.init(eqx.tree_at(lambda m: m.read, m, jnp.arange(4.0)), _DriftSum.total)
+    assert grown.cache.snapshot.shape[1] == 16
+
+    def body(m, _):
+        value, m = memox.call(m, _DriftSum.total)
+        return m, value
+
+    _, values = jax.lax.scan(body, grown, jnp.arange(2))
+    np.testing.assert_array_equal(values, [[6.0, 4.0], [6.0, 4.0]])
