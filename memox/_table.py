@@ -159,10 +159,16 @@ def entry_kept(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
     return value
 
 
+def holds_key(slot: Memo, key: Array) -> Array:
+    """Per entry, whether it is valid and stored under `key`: the in-graph verdict of the
+    key rule (`_key.py`), the one comparison of a call's key with the stored ones."""
+    return slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
+
+
 @jax.jit
 def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
     """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
-    match = slot.valid & jnp.all(slot.key == key[None, :], axis=-1) & fresh
+    match = holds_key(slot, key) & fresh
     return jnp.any(match), jnp.argmax(match)
 
 
@@ -259,7 +265,7 @@ def _stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
 ) -> tuple[Memo, Array]:
     """`stored`, its inputs on one set of devices."""
-    same = slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
+    same = holds_key(slot, key)
     oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
     new = dataclasses.replace(
