@@ -3,6 +3,7 @@ process does, emptied by `memox.clear_caches()`, and never the reason a value is
 a filled slot is lost."""
 
 import gc
+import sys
 import weakref
 
 import equinox as eqx
@@ -93,7 +94,10 @@ class _Counted(eqx.Module):
 
     @memox.cached("c")
     def f(self):
-        _COUNTER.tick()
+        # (The counter is looked up by a string: a method's token holds the values of
+        # the globals it names, and a `Counter` has no content, so it is numbered by
+        # this process, anew after `memox.clear_caches()`.)
+        getattr(sys.modules[__name__], "_COUNTER").tick()
         return jnp.tanh(self.w).sum()
 
 
