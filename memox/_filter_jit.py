@@ -4,7 +4,8 @@ The standard Equinox loop calls `memox.call` inside its own `eqx.filter_jit` ste
 every check of a cached value hashes its dependencies in-graph, on every call: the
 frozen backbone of a fine-tuned model and the training inputs, although neither
 changed. `memox.filter_jit` is `eqx.filter_jit` (it calls it: same arguments, same
-results, same tree structures, same donation) with two additions:
+results, same tree structures, same donation, the same cache of compiled programs) with
+three additions:
 
 1. **Fingerprints outside, once per array.** The input arrays that the cached methods
    inside fingerprinted in an earlier trace are fingerprinted outside the compiled
@@ -19,19 +20,26 @@ results, same tree structures, same donation) with two additions:
    (`_decided.Hits`): the call runs a program (compiled at the second call) that reads
    the value with no check and no `lax.cond`, also where `memox.call` runs inside the
    loss under `jax.grad`.
-3. **No copy of what passes through.** An output that is one of the inputs, unchanged
-   (the frozen backbone in the model the step returns), is not an output of the
-   compiled function (XLA would copy it into a fresh buffer on every call): the caller's
-   own array is put back in its place. So the frozen arrays keep their identity from
-   step to step, and (1) and (2) apply to them. Donated inputs are left to XLA (their
-   buffers are reused).
+3. **No copy of a cache table that passes through.** A slot's array that the call
+   returns unchanged (the entries of a hit) is not an output of the compiled function
+   (XLA would copy the table into a fresh buffer on every call): the caller's own array
+   is put back in its place, so (2) finds it again. The caller's own arrays passed
+   through come back as copies, as from `eqx.filter_jit`; where a check reads one,
+   the copy is known as its original (`_copies`: the same values, both immutable), so
+   (1) and (2) apply to it at the next call.
 
-**Never deletes what `eqx.filter_jit` would not.** An array given back in place of a
-copy (3) is the caller's own, also held by the tree it came from, where
-`eqx.filter_jit` would have returned a fresh copy. So where a `memox.filter_jit` call
-later donates such an array, it donates a copy of it instead (the copy
-`eqx.filter_jit` would have made at the first call): the tree it came from keeps it.
-These arrays are known by identity, held weakly (`_handed_back`).
+**Programs are shared as Equinox shares them**: per function object for a Python
+function, else per name (`_programs`, as `equinox._compile_utils.compile_cache`), with
+one donation. Wrapping the same function again reuses the compiled programs, and with
+them what the host learned from their traces and calls (`_Program`: which inputs the
+checks read, the hits it can decide), which is therefore per program, not per wrapper.
+
+**Never deletes what `eqx.filter_jit` would not, through its own donation.** A slot's
+array given back in place of a copy (3) is also held by the tree it came from, so a
+`memox.filter_jit` call that donates it donates a copy of it instead (the copy
+`eqx.filter_jit` would have made at the first call). These arrays are known by
+identity, held weakly (`_handed_back`). Deleted elsewhere (another function's donation),
+the slot is recomputed at the next call (`_lifecycle.allocated_once` revives it).
 
 Empty slots in the arguments are allocated before the first trace (as `memox.init`
 does), so that a step does not retrace even when the model was not initialised; the `Memo`
@@ -44,16 +52,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
+import types
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from . import _decided, _prehash
+from . import _decided, _errors, _prehash
+from ._caches import register
 from ._jax_internals import is_concrete_array
 from ._lifecycle import allocated_once
 from ._partition import ARRAY, hashable_combine, hashable_partition
@@ -71,8 +82,8 @@ _SENTINEL: Any = object()
 
 @dataclasses.dataclass(frozen=True)
 class _Input:
-    """Stands, in the compiled function's outputs, for its `index`-th input array,
-    passed through unchanged: the caller's array is put back in its place."""
+    """Stands, in the compiled function's outputs, for its `index`-th input array, a
+    slot's array passed through unchanged: the caller's array is put back in its place."""
 
     index: int
 
@@ -90,15 +101,14 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
 
     A drop-in replacement: swap `eqx.filter_jit` for `memox.filter_jit` on a step that
     calls `memox.call`, and nothing else changes (arguments, results, tree structures,
-    donation, retracing rules), except that a cached method whose dependencies are
-    inputs of the step that did not change (a frozen part of the model, the training
+    donation, retracing rules, compiled programs shared by every wrapper of the same
+    function, `.lower(...).compile()`), except that a cached method whose dependencies
+    are inputs of the step that did not change (a frozen part of the model, the training
     data) no longer hashes them in-graph at every call: their fingerprints are computed
-    outside, once per array object, and passed in. The arrays that merely pass through
-    the step (unchanged leaves of the returned model) come back as the caller's own
-    objects instead of copies. Where a slot and what its check reads are the very
-    arrays of the previous call, the hit is decided before dispatch, and a second
-    program (compiled at the second call; at most 4 per signature) reads the value with
-    no check; `step.lower(*args)` gives the program a call would run now.
+    outside, once per array object, and passed in. Where a slot and what its check reads
+    are the arrays of the previous call (or copies the step returned of them), the hit
+    is decided before dispatch, and a second program (compiled at the second call; at
+    most 4 per signature) reads the value with no check.
 
     **Arguments:**
 
@@ -106,12 +116,14 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     - `donate`: as for `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
       `"warn-except-first"` or `"none"` (the default).
 
-    Empty slots in the arguments are allocated before the first trace (as
-    `memox.init(module)` does), so the step does not retrace without `memox.init`.
-
     **Returns:**
 
-    The compiled function, called as `fun` is.
+    The compiled function, called as `fun` is. `step.lower(*args, **kwargs)` lowers the
+    program a call on those arguments would run now (`.as_text()`, `.lowered`), and
+    `.compile(compiler_options=...)` compiles it ahead of time: the compiled object is
+    called as `fun` is and returns what `fun` returns. Its program is fixed: where the
+    host does not decide the hits it was lowered for, the call runs the program that
+    checks in-graph (compiled at the first such call).
 
     **When to call `memox.init`:** not for `memox.filter_jit`. Before the first trace,
     the empty slots for methods without arguments in the arguments are allocated (an
@@ -123,11 +135,17 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     in its place, call `memox.init(model)` first: it retraces once at the first fill
     otherwise.)
 
-    **Donation** is `eqx.filter_jit`'s, with one difference that keeps your arrays: an
-    array that `memox.filter_jit` gave back in place of a copy (an input passed through)
-    is still held by the tree it came from, so a `memox.filter_jit` call that donates it
-    donates a copy instead. (Donating it to other code, such as `jax.jit`'s
-    `donate_argnums`, deletes it for both.)
+    **Outputs and donation** are `eqx.filter_jit`'s for your arrays: one that the step
+    returns unchanged comes back as a new array, never as the one you passed, so
+    donating it later deletes nothing you hold. memox keeps the array you passed alive
+    while such a copy is in use, where a cached method's check reads it, so that the
+    copy is known to hold the same values (one more copy of those arrays in memory).
+    memox's own cache arrays (a slot's entries and counters) that the step returns
+    unchanged come back as the arrays you passed, not copied: copying a cache table at
+    every call would cost what caching saves. A `memox.filter_jit` call that donates one
+    donates a copy of it; donated elsewhere (`eqx.filter_jit(..., donate="all")`,
+    `jax.jit`'s `donate_argnums`), it is deleted in both trees, and the slot is
+    recomputed where the older tree is used again (with a warning).
 
     !!! Example
 
@@ -138,7 +156,7 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
             return b * x, foo
 
         y, foo = step(foo, jnp.float32(2.0))
-        y, foo = step(foo, jnp.float32(3.0))     # a hit; foo.a is the caller's array
+        y, foo = step(foo, jnp.float32(3.0))     # a hit, decided before dispatch
         ```
     """
     if fun is _SENTINEL:
@@ -146,6 +164,131 @@ def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     if donate not in _DONATE:
         eqx.filter_jit(fun, donate=donate)  # raises Equinox's own error
     return _FilterJit.make(fun, donate)
+
+
+class _Program:
+    """What every wrapper of one function with one donation shares, as they share the
+    function `eqx.filter_jit` compiles (`traced`, and so its programs): what the host
+    knows of its calls, written by its traces (`_prehash.Inputs`) and after its calls
+    (`_decided.Hits`; `tracked`: the input positions whose arrays a check reads).
+    Each is safe for threads (immutable snapshots, replaced whole)."""
+
+    def __init__(self, names: tuple[str, str], donate: Donate):
+        self.inputs = _prehash.Inputs()
+        self.hits = _decided.Hits()
+        self.tracked: frozenset[int] = frozenset()
+        self._lock = threading.Lock()
+        self.donate_first, self.donate_rest = donate in ("all", "warn"), donate != "none"
+        traced = self._traced
+
+        def program(head: tuple, rest: list, call: _Call, hits: tuple) -> Any:
+            return traced(head, rest, call, hits)
+
+        # Named after the user's function, as Equinox names its programs.
+        program.__name__, program.__qualname__ = names
+        # The table travels with the first argument: donated with it, and only then.
+        self.compiled: Any = eqx.filter_jit(program, donate=donate)
+
+    def _track(self, positions: frozenset[int]) -> None:
+        if not positions <= self.tracked:
+            with self._lock:
+                self.tracked = self.tracked | positions
+
+    def _traced(self, head: tuple, rest: list, call: _Call, hits: tuple) -> Any:
+        first, table, decided = head
+        arrays = call.merge(first, rest)
+        fn, args, kwargs = call.rebuild(arrays)
+        hits_ = dict(zip(hits, decided))
+        with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES, hits_) as scope:
+            out = fn(*args, **kwargs)
+            self.inputs.learned(scope.used)
+            slots_out, in_slot = _slots_in(out)
+            held = scope.held(slots_out, keeps_indices=not self.donate_first)
+        # The positions whose arrays the host must know again at the next call: those
+        # the checks fingerprinted, and those a decided hit reads.
+        tracked = frozenset(scope.used).union(*(h.reads for h, _, _ in held))
+        self._track(tracked)
+        donated = call.donated(self.donate_first, self.donate_rest)
+        index = {id(x): i for i, x in enumerate(arrays) if not donated[i]}
+        leaves, treedef = jtu.tree_flatten(out)
+        dynamic, static, copies = [], [], []
+        for j, x in enumerate(leaves):
+            if not eqx.is_array(x):
+                static.append(x)
+                continue
+            i = index.get(id(x))
+            if i is not None and in_slot[j]:
+                # A slot's array passed through: given back outside (the caller's), not
+                # an output of the compiled function, which would copy it.
+                static.append(_Input(i))
+                continue
+            if i is not None and i in tracked:
+                copies.append((j, i))  # an input of the caller's, copied: known as it
+            dynamic.append(x)
+            static.append(ARRAY)
+        # Where each slot the host can vouch for leaves the call (`_decided.Hits`):
+        # the positions of its entry arrays among the output's leaves.
+        at = {id(x): j for j, x in enumerate(leaves)}
+        vouched = tuple(
+            (h, tuple(at[id(x)] for x in entry_leaves(slots_out[k]))) for h, k, _ in held
+        )
+        out_static = _Out(treedef, tuple(static), vouched, tuple(copies))
+        # A donated table is returned (unchanged) so that XLA reuses its buffer and
+        # `donate="warn"` warns about the caller's arrays only.
+        donated_table = (table, decided) if self.donate_first else None
+        return dynamic, out_static, donated_table, [i for _, _, i in held]
+
+
+# The programs, as Equinox keys its own (`equinox._compile_utils.compile_cache`): by the
+# function object for a Python function (held weakly), under `_programs` itself for any
+# other callable; then by the function's names and the donation.
+_programs: weakref.WeakKeyDictionary[Any, dict[tuple, _Program]] = weakref.WeakKeyDictionary()
+_programs_lock = threading.Lock()
+register("filter_jit programs", _programs)
+
+
+def _program(fun: Callable, donate: Donate) -> _Program:
+    key = fun if type(fun) is types.FunctionType else _program
+    names = _names(fun)
+    with _programs_lock:
+        found = _programs.get(key)
+        if found is None:
+            found = _programs[key] = {}
+        program = found.get((names, donate))
+        if program is None:
+            program = found[names, donate] = _Program(names, donate)
+    return program
+
+
+def _names(fun: Any) -> tuple[str, str]:
+    """`fun`'s name and qualified name (of what it wraps), as Equinox's `get_fn_names`."""
+    while True:
+        if hasattr(fun, "__wrapped__"):
+            fun = fun.__wrapped__
+        elif isinstance(fun, functools.partial):
+            fun = fun.func
+        else:
+            break
+    try:
+        return fun.__name__, fun.__qualname__
+    except AttributeError:
+        return type(fun).__name__, type(fun).__qualname__
+
+
+class _Prepared(NamedTuple):
+    """A call taken apart: its signature, its input arrays as given, as the host knows
+    them (`_copies`) and as passed (copies of the donated ones given back earlier), and
+    the compiled function's arguments, with the hits decided on the host."""
+
+    call: _Call
+    given: list
+    host: list
+    arrays: list
+    compiled_args: tuple  # ((first, table, decided), rest, call, hits)
+
+    def without_hits(self) -> _Prepared:
+        (first, table, _), rest, call, _ = self.compiled_args
+        return self._replace(compiled_args=((first, table, []), rest, call, ()))
 
 
 class _FilterJit(eqx.Module):
@@ -158,112 +301,168 @@ class _FilterJit(eqx.Module):
     to take apart."""
 
     fun: Callable  # may hold arrays: traced
-    _compiled: Any = eqx.field(static=True, repr=False)  # `eqx.filter_jit`'s wrapper
+    _program: _Program = eqx.field(static=True, repr=False)
     _signature: inspect.Signature = eqx.field(static=True, repr=False)
-    _inputs: _prehash.Inputs = eqx.field(static=True, repr=False)
-    _hits: _decided.Hits = eqx.field(static=True, repr=False)
     _donate: Donate = eqx.field(static=True, repr=False)
 
     @classmethod
     def make(cls, fun: Callable, donate: Donate) -> Any:
-        inputs = _prehash.Inputs()
-        donate_first, donate_rest = donate in ("all", "warn"), donate != "none"
-
-        def traced(head: tuple, rest: list, call: _Call, hits: tuple) -> Any:
-            first, table, decided = head
-            arrays = call.merge(first, rest)
-            fn, args, kwargs = call.rebuild(arrays)
-            hits_ = dict(zip(hits, decided))
-            with _prehash.scope(arrays, table, _prehash.PREHASH_MIN_BYTES, hits_) as scope:
-                out = fn(*args, **kwargs)
-                inputs.learned(scope.used)
-                slots_out = _slots_in(out)
-                held = scope.held(slots_out, keeps_indices=not donate_first)
-            # Outputs that are inputs passed through unchanged are given back outside
-            # (the caller's arrays): not outputs of the compiled function, which would
-            # copy them. Donated inputs are left to XLA, which reuses their buffers.
-            donated = call.donated(donate_first, donate_rest)
-            index = {id(x): i for i, x in enumerate(arrays) if not donated[i]}
-            leaves, treedef = jtu.tree_flatten(out)
-            dynamic, static = [], []
-            for x in leaves:
-                if not eqx.is_array(x):
-                    static.append(x)
-                elif id(x) in index:
-                    static.append(_Input(index[id(x)]))
-                else:
-                    dynamic.append(x)
-                    static.append(ARRAY)
-            # Where each slot the host can vouch for leaves the call (`_decided.Hits`):
-            # the positions of its entry arrays among the output's leaves.
-            at = {id(x): j for j, x in enumerate(leaves)}
-            vouched = tuple(
-                (h, tuple(at[id(x)] for x in entry_leaves(slots_out[k]))) for h, k, _ in held
-            )
-            out_static = _Out(treedef, tuple(static), vouched)
-            # A donated table is returned (unchanged) so that XLA reuses its buffer and
-            # `donate="warn"` warns about the caller's arrays only.
-            donated_table = (table, decided) if donate_first else None
-            return dynamic, out_static, donated_table, [i for _, _, i in held]
-
-        name = getattr(fun, "__name__", type(fun).__name__)
-        traced.__name__ = name
-        traced.__qualname__ = getattr(fun, "__qualname__", name)
-        # The table travels with the first argument: donated with it, and only then.
-        compiled = eqx.filter_jit(traced, donate=donate)
-        wrapper = cls(fun, compiled, inspect.signature(fun), inputs, _decided.Hits(), donate)
+        wrapper = cls(fun, _program(fun, donate), inspect.signature(fun), donate)
         return eqx.module_update_wrapper(wrapper)
 
     @property
     def __wrapped__(self) -> Callable:
         return self.fun
 
-    def _prepared(self, args: tuple, kwargs: dict) -> tuple[_Call, list, list, tuple]:
-        """A call taken apart: its signature, its input arrays as given and as passed
-        (copies of the donated ones given back earlier), and the compiled function's
-        arguments, with the hits decided on the host."""
-        bound = self._signature.bind(*args, **kwargs)
-        args, kwargs = bound.args, bound.kwargs
-        call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
-        if call.empty_slots:  # rare: allocate empty slots first (once per object)
-            args = tuple(map(allocated_once, args))
-            kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
-            call, arrays = _Call.split(self.fun, args, kwargs, self._donate)
-        hits, decided = self._hits.decide(call, arrays)
-        given = arrays
-        if self._donate != "none" and _handed_back:
-            arrays = _unshared(arrays, call.donated(self._donate in ("all", "warn"), True))
-        table = self._inputs.table(arrays)
-        first, rest = call.groups(arrays)
-        return call, given, arrays, ((first, table, decided), rest, call, hits)
-
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        call, given, arrays, compiled_args = self._prepared(args, kwargs)
-        dynamic, out, _, held_indices = self._compiled(*compiled_args)
-        self._inputs.register(arrays)
-        dynamic_ = iter(dynamic)
-        leaves = [
-            next(dynamic_) if x is ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
-            for x in out.leaves
-        ]
-        vouched = [
-            (h, [leaves[j] for j in where], i) for (h, where), i in zip(out.vouched, held_indices)
-        ]
-        hits, (_, _, decided) = compiled_args[3], compiled_args[0]
-        self._hits.learn(call, vouched, given, (hits, decided))
-        return jtu.tree_unflatten(out.treedef, leaves)
+        return _called(self, args, kwargs, _run)
 
-    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """The program that a call on these arguments would run now, lowered (JAX's
-        `Lowered`, as `jax.jit(...).lower` gives): with the hits it would decide on the
-        host."""
-        return self._compiled.lower(*self._prepared(args, kwargs)[3]).lowered
+    def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
+        """The program that a call on these arguments would run now (with the hits it
+        would decide on the host), lowered: `Lowered`, as `eqx.filter_jit(...).lower`
+        gives (`.as_text()`, `.compile()`, JAX's own as `.lowered`)."""
+        prepared = _prepared(self, args, kwargs)
+        lowered = self._program.compiled.lower(*prepared.compiled_args)
+        return Lowered(self, prepared.call, prepared.compiled_args[3], lowered)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
         if instance is None:
             return self
         return eqx.Partial(self, instance)
+
+
+# The steps of a call are functions, not methods: a method of an `eqx.Module` is bound
+# anew at each access (as Equinox's `_call` avoids).
+
+
+def _called(wrapper: _FilterJit, args: tuple, kwargs: dict, run: Callable) -> Any:
+    """A call of `wrapper` on `args` and `kwargs`, its compiled function called by `run`
+    (which takes the `_Prepared` call and returns it, as it ran, and the outputs)."""
+    try:
+        prepared, outputs = run(wrapper, _prepared(wrapper, args, kwargs))
+    except (RuntimeError, ValueError) as e:
+        # An array deleted before the call, which JAX refuses at dispatch (not an error
+        # of the program: those are subclasses): a slot's array donated elsewhere (it
+        # was given back in place of a copy), the slot then revived (recomputed, with a
+        # warning). A deleted array of the caller's fails again.
+        if type(e) not in (RuntimeError, ValueError) or not _deleted_inputs(args, kwargs):
+            raise
+        prepared, outputs = run(wrapper, _prepared(wrapper, args, kwargs, revive=True))
+    return _finished(wrapper, prepared, outputs)
+
+
+def _run(wrapper: _FilterJit, prepared: _Prepared) -> tuple[_Prepared, Any]:
+    return prepared, wrapper._program.compiled(*prepared.compiled_args)
+
+
+def _prepared(wrapper: _FilterJit, args: tuple, kwargs: dict, revive: bool = False) -> _Prepared:
+    fun, donate, program = wrapper.fun, wrapper._donate, wrapper._program
+    bound = wrapper._signature.bind(*args, **kwargs)
+    args, kwargs = bound.args, bound.kwargs
+    call, given = _Call.split(fun, args, kwargs, donate)
+    if call.empty_slots or revive:  # rare: allocate empty slots first (once per object)
+        args = tuple(map(allocated_once, args))
+        kwargs = {k: allocated_once(v) for k, v in kwargs.items()}
+        call, given = _Call.split(fun, args, kwargs, donate)
+    host = _originals(given, program.tracked)
+    hits, decided = program.hits.decide(call, host)
+    arrays = given
+    if donate != "none" and _handed_back:
+        arrays = _unshared(given, call.donated(donate in ("all", "warn"), True))
+    table = program.inputs.table(host)
+    first, rest = call.groups(arrays)
+    return _Prepared(call, given, host, arrays, ((first, table, decided), rest, call, hits))
+
+
+def _finished(wrapper: _FilterJit, prepared: _Prepared, outputs: Any) -> Any:
+    """The caller's results from the compiled function's `outputs`; what the host learns
+    from them."""
+    dynamic, out, _, held_indices = outputs
+    call, _, host, arrays, ((_, _, decided), _, _, hits) = prepared
+    program = wrapper._program
+    program.inputs.register(host)
+    dynamic_ = iter(dynamic)
+    leaves = [
+        next(dynamic_) if x is ARRAY else _hand_back(arrays[x.index]) if _is_input(x) else x
+        for x in out.leaves
+    ]
+    for j, i in out.copies:
+        _remember(leaves[j], host[i])
+    vouched = [
+        (h, [leaves[j] for j in where], i) for (h, where), i in zip(out.vouched, held_indices)
+    ]
+    program.hits.learn(call, vouched, host, (hits, decided))
+    return jtu.tree_unflatten(out.treedef, leaves)
+
+
+class Lowered:
+    """A `memox.filter_jit` call lowered (`wrapped.lower(*args, **kwargs)`), as Equinox's
+    `Lowered`: `compile()` gives the program compiled, called as the wrapped function."""
+
+    def __init__(self, wrapper: _FilterJit, call: _Call, hits: tuple, lowered: Any):
+        self._wrapper, self._call, self._hits, self._lowered = wrapper, call, hits, lowered
+
+    @property
+    def lowered(self) -> jax.stages.Lowered:
+        """JAX's `Lowered`, of the flat function memox compiles."""
+        return self._lowered.lowered
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str:
+        return self.lowered.as_text(*args, **kwargs)
+
+    def compile(self, /, compiler_options: dict[str, str | bool] | None = None) -> Compiled:
+        compiled = self._lowered.compile(compiler_options=compiler_options)
+        return Compiled(self._wrapper, self._call, self._hits, compiled, compiler_options)
+
+    def __getattr__(self, name: str) -> Any:  # JAX's others: `cost_analysis`, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.lowered, name)
+
+
+class Compiled:
+    """A `memox.filter_jit` call compiled ahead of time: called as the wrapped function,
+    it returns what the wrapped function returns, through the wrapper's own steps (the
+    caller's arrays taken apart, the fingerprints passed in, the slots given back).
+
+    Its program is fixed. One lowered with hits decided on the host runs where the host
+    decides those hits again; any other call runs the program with none decided (the
+    in-graph check), compiled once, at the first such call."""
+
+    def __init__(self, wrapper: _FilterJit, call: _Call, hits: tuple, compiled: Any, options: Any):
+        self._wrapper, self._call, self._hits, self._compiled = wrapper, call, hits, compiled
+        self._options = options
+        self._checked: Any = compiled if not hits else None  # the program with none decided
+
+    @property
+    def compiled(self) -> jax.stages.Compiled:
+        """JAX's `Compiled`, of the flat function memox compiles."""
+        return self._compiled.compiled
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str | None:
+        return self.compiled.as_text(*args, **kwargs)
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        return _called(self._wrapper, args, kwargs, self._run)
+
+    def _run(self, wrapper: _FilterJit, prepared: _Prepared) -> tuple[_Prepared, Any]:
+        if prepared.call != self._call:
+            raise TypeError(_errors.FILTER_JIT_COMPILED_CALL.format(name=_names(wrapper.fun)[0]))
+        if prepared.compiled_args[3] == self._hits:
+            program = self._compiled
+        else:
+            prepared = prepared.without_hits()
+            program = self._checked
+            if program is None:
+                lowered = wrapper._program.compiled.lower(*prepared.compiled_args)
+                program = self._checked = lowered.compile(compiler_options=self._options)
+        return prepared, program(*prepared.compiled_args)
+
+    def __getattr__(self, name: str) -> Any:  # JAX's others: `memory_analysis`, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +476,14 @@ class _Call:
     first: tuple[int, int]  # arrays [start, stop) of the first argument
     n_arrays: int
     empty_slots: bool = dataclasses.field(compare=False)
+
+    def __hash__(self) -> int:
+        # Hashed once: `jax.jit` hashes it at every call (a static argument).
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.treedef, self.leaves, self.first, self.n_arrays))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     @classmethod
     def split(cls, fun: Any, args: tuple, kwargs: dict, donate: str) -> tuple[_Call, list]:
@@ -313,20 +520,34 @@ class _Call:
 class _Out(eqx.Module):
     """The compiled function's outputs other than its arrays: carried in its tree
     structure (static). `vouched`: the slots whose state after the call the host records
-    (`_decided.Hits`), with the positions of their entries among the output's leaves."""
+    (`_decided.Hits`), with the positions of their entries among the output's leaves;
+    `copies`: (output leaf, input) where an output is a copy of an input a check reads."""
 
     treedef: Any = eqx.field(static=True)
     leaves: tuple[Any, ...] = eqx.field(static=True)
     vouched: tuple[tuple[_decided.Held, tuple[int, ...]], ...] = eqx.field(static=True)
+    copies: tuple[tuple[int, int], ...] = eqx.field(static=True)
 
 
-def _slots_in(tree: Any) -> list[Memo]:
-    """The slots in `tree` (the step's output; walked once per trace)."""
-    return [x for x in jtu.tree_leaves(tree, is_leaf=is_memo) if is_memo(x)]
+def _slots_in(tree: Any) -> tuple[list[Memo], list[bool]]:
+    """The slots in `tree` (the step's output; walked once per trace), and for each of
+    its leaves whether it is a slot's."""
+    slots, in_slot = [], []
+    for x in jtu.tree_leaves(tree, is_leaf=is_memo):
+        if is_memo(x):
+            slots.append(x)
+            in_slot.extend([True] * len(jtu.tree_leaves(x)))
+        else:
+            in_slot.append(False)
+    return slots, in_slot
 
 
-# The arrays `memox.filter_jit` gave back in place of a copy (inputs passed through), by
-# id, held weakly.
+def _deleted_inputs(args: tuple, kwargs: dict) -> bool:
+    return any(is_concrete_array(x) and x.is_deleted() for x in jtu.tree_leaves((args, kwargs)))
+
+
+# The arrays `memox.filter_jit` gave back in place of a copy (slots' arrays passed
+# through), by id, held weakly.
 _handed_back: dict[int, weakref.ref] = {}
 
 
@@ -340,13 +561,15 @@ def _hand_back(x: Any) -> Any:
     key = id(x)
     ref = _handed_back.get(key)
     if ref is None or ref() is not x:
-        _handed_back[key] = weakref.ref(x, functools.partial(_forget, key))
+        _handed_back[key] = weakref.ref(x, functools.partial(_forget, _handed_back, key))
     return x
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    if _handed_back.get(key) is ref:
-        del _handed_back[key]
+def _forget(table: dict, key: int, ref: weakref.ref) -> None:
+    """Drop `table`'s entry for `key` where it is still the one `ref` was made for."""
+    entry = table.get(key)
+    if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
+        table.pop(key, None)
 
 
 def _unshared(arrays: list, donated: list[bool]) -> list:
@@ -364,3 +587,35 @@ def _unshared(arrays: list, donated: list[bool]) -> list:
     for i, x in zip(shared, copied([arrays[i] for i in shared])):
         out[i] = x
     return out
+
+
+# Copies `memox.filter_jit` returned of the caller's arrays that a check reads, by id,
+# held weakly, each with the array it copies (held while the copy lives): the host's
+# decisions go by identity (`_prehash.Inputs`, `_decided.Hits`), and a copy holds the
+# same values as its original, both immutable. A cache: cleared, the next call hashes
+# the copies (in-graph) and decides nothing on the host, once.
+_copies: dict[int, tuple[weakref.ref, jax.Array]] = {}
+register("filter_jit copies", _copies)
+
+
+def _remember(copy: Any, original: Any) -> None:
+    if is_concrete_array(copy) and is_concrete_array(original) and copy is not original:
+        key = id(copy)
+        ref = weakref.ref(copy, functools.partial(_forget, _copies, key))
+        _copies[key] = (ref, original)
+
+
+def _originals(arrays: list, positions: frozenset[int]) -> list:
+    """`arrays`, with the original in place of each copy at `positions` (while the
+    original is usable)."""
+    if not _copies or not positions:
+        return arrays
+    found = None
+    for i in positions:
+        if i >= len(arrays):
+            continue
+        entry = _copies.get(id(arrays[i]))
+        if entry is not None and entry[0]() is arrays[i] and not entry[1].is_deleted():
+            found = list(arrays) if found is None else found
+            found[i] = entry[1]
+    return arrays if found is None else found

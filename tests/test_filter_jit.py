@@ -1,6 +1,7 @@
 """`memox.filter_jit`: `eqx.filter_jit`'s results, unchanged inputs fingerprinted outside."""
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import equinox as eqx
 import jax
@@ -117,31 +118,46 @@ def test_unchanged_inputs_are_fingerprinted_outside_once(monkeypatch):
     x, y = data()
     step, init = training_step(memox.filter_jit, traces)
     model = memox.init(frozen(c), Frozen.predict, x)
+    w = model.w
     opt_state = init(model)
     for _ in range(3):
         model, opt_state, _ = step(model, opt_state, x, y)
     # The first call learns which inputs the check fingerprints (`w` and `x`); from the
-    # second on, their fingerprints come in precomputed, by identity.
+    # second on, their fingerprints come in precomputed, by identity. The frozen `w`
+    # comes back as a copy (as from `eqx.filter_jit`), known as the array it copies.
+    assert model.w is not w
+    np.testing.assert_array_equal(model.w, w)
     (first, _), (second, arrays), (third, _) = tables
     assert not first[:, 2].any()
     valid = {i for i in range(len(arrays)) if second[i, 2]}
-    assert valid == {i for i, a in enumerate(arrays) if a is model.w or a is x}
+    assert valid == {i for i, a in enumerate(arrays) if a is w or a is x}
     assert (third == second).all()
-    for a in (model.w, x):
+    for a in (w, x):
         (row,) = [i for i in valid if arrays[i] is a]
         np.testing.assert_array_equal(second[row, :2], known(a))
     assert c.n == 1 and traces.n == 2  # (the second: the hit decided on the host)
 
 
-def test_passed_through_arrays_come_back_as_the_callers_own():
-    # The frozen `w` passes through the step unchanged: not copied, the same object.
+def test_passed_through_arrays_come_back_as_from_eqx_filter_jit():
+    # Regression (issue 32): the frozen `w` passed through came back as the caller's own
+    # array, so donating the returned model elsewhere deleted the caller's `w`. Now it is
+    # a new array, as from `eqx.filter_jit` and `jax.jit`; a cache table passed through
+    # (a hit's entries) is the caller's (copying it would cost what caching saves).
     c, traces = Counter(), Traces()
     x, y = data()
     step, init = training_step(memox.filter_jit, traces)
     model = memox.init(frozen(c), Frozen.predict, x)
-    new, _, _ = step(model, init(model), x, y)
-    assert new.w is model.w
+    opt_state = init(model)
+    model, opt_state, _ = step(model, opt_state, x, y)
+    new, _, _ = step(model, opt_state, x, y)  # a hit decided on the host
+    assert new.w is not model.w
+    assert new.w.unsafe_buffer_pointer() != model.w.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(new.w, model.w)
     assert new.v is not model.v  # trained: a new array
+    for field in ("value", "valid", "key", "misses"):
+        assert getattr(new.features_cache, field) is getattr(model.features_cache, field)
+    jax.effects_barrier()
+    assert c.n == 1 and traces.n == 2
 
 
 @pytest.mark.parametrize("change", ["new values", "same values, new array", "numpy, in place"])
@@ -337,11 +353,12 @@ def test_a_module_not_threaded_is_allocated_once(monkeypatch):
     assert len(allocations) == 1 and c.n == 5 and out == jnp.sum(f.a)
 
 
+@pytest.mark.parametrize("donor", ["memox.filter_jit", "eqx.filter_jit", "jax.jit"])
 @pytest.mark.parametrize("where", ["argument", "inside a module"])
-def test_donating_a_passed_through_output_deletes_what_eqx_filter_jit_would(where):
-    # Regression (issue 18): an output that is an input passed through is the caller's own
-    # array (no copy), where `eqx.filter_jit` returns a copy; a later donation of that
-    # output deleted the caller's original. memox's donation copies it first.
+def test_donating_a_passed_through_output_deletes_what_eqx_filter_jit_would(where, donor):
+    # Regression (issues 18, 32): an output that is an input passed through was the
+    # caller's own array, where `eqx.filter_jit` returns a copy: a later donation of that
+    # output deleted the caller's original (issue 18 guarded memox's own donation only).
     deleted = {}
     for jit in (eqx.filter_jit, memox.filter_jit):
         a, b = jnp.ones(3), jnp.ones(3)
@@ -349,19 +366,24 @@ def test_donating_a_passed_through_output_deletes_what_eqx_filter_jit_would(wher
             through = jit(lambda a, b: (a, b + 1))
         else:
             through = jit(lambda a, b: ({"a": a}, b + 1))
-        donating = jit(lambda t: jax.tree.map(lambda x: 2 * x, t), donate="all")
+        double = lambda t: jax.tree.map(lambda x: 2 * x, t)  # noqa: E731
+        if donor == "jax.jit":
+            donating = jax.jit(double, donate_argnums=0)
+        else:
+            donating = {"memox.filter_jit": memox.filter_jit, "eqx.filter_jit": eqx.filter_jit}[
+                donor
+            ](double, donate="all")
         out, _ = through(a, b)
         doubled = donating(out)
         np.testing.assert_array_equal(jax.tree.leaves(doubled)[0], 2 * a)
-        deleted[jit] = a.is_deleted()
-    assert deleted == {eqx.filter_jit: False, memox.filter_jit: False}
+        deleted[jit] = (a.is_deleted(), jax.tree.leaves(out)[0].is_deleted())
+    assert deleted[memox.filter_jit] == deleted[eqx.filter_jit] == (False, True)
 
 
 def test_a_kept_model_survives_a_donating_step_after_a_passing_through_one():
     c = Counter()
     x = data()[0]
     model = memox.init(frozen(c), Frozen.predict, x)
-    best = model
 
     @memox.filter_jit
     def predict(model, x):
@@ -372,8 +394,10 @@ def test_a_kept_model_survives_a_donating_step_after_a_passing_through_one():
         return eqx.tree_at(lambda m: m.v, model, model.v * 0.5)
 
     _, model = predict(model, x)
-    assert model.w is best.w  # passed through: the caller's own array
-    model = shrink(model)
+    best = model
+    _, model = predict(model, x)  # a hit decided on the host: the entries pass through
+    assert model.features_cache.value is best.features_cache.value  # (not copied)
+    model = shrink(model)  # donates a copy of them
     assert not any(x.is_deleted() for x in jax.tree.leaves(best))
     with c.paused():
         np.testing.assert_allclose(2 * model.predict(x), best.predict(x), rtol=1e-6)
@@ -414,3 +438,226 @@ def test_partitioned_model_as_arguments_works_as_under_eqx_filter_jit():
     # The first fill retraces once (`memox.init` avoids it); `memox.filter_jit` then
     # compiles the program for the hit decided on the host.
     assert counts_eqx == [2, 1] and counts_ours == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "wrap", ["a function", "a bound method", "a module", "eqx.filter_grad", "a wrapper"]
+)
+@pytest.mark.parametrize("jit", [eqx.filter_jit, memox.filter_jit], ids=["eqx", "memox"])
+def test_wrapping_again_reuses_the_program(wrap, jit):
+    # Regression (issue 32): each `memox.filter_jit(fun)` compiled its own program, so a
+    # function wrapped again (in a loop, in a function called often) traced every time.
+    # As `eqx.filter_jit`: one program per function object (or name, for any other
+    # callable), whatever wraps it. (The modules: their static parts compare equal.)
+    traced = Traces()
+
+    def f(x):
+        traced.tick()
+        return jnp.sin(x)
+
+    class M(eqx.Module):
+        scale: jax.Array
+
+        def method(self, x):
+            traced.tick()
+            return x * self.scale
+
+        def __call__(self, x):
+            traced.tick()
+            return x + self.scale
+
+    wrapped = {
+        "a function": lambda m: jit(f),
+        "a bound method": lambda m: jit(m.method),
+        "a module": lambda m: jit(m),
+        "eqx.filter_grad": lambda m: jit(eqx.filter_grad(f)),
+        "a wrapper": lambda m: jit(jit(f)),
+    }[wrap]
+    x = jnp.float32(0.5)
+    for k in range(5):
+        y = wrapped(M(jnp.float32(2 + k)))(x)
+        assert jnp.isfinite(y)
+    assert traced.n == 1
+
+
+def _fine_tune(m, x):
+    return memox.call(m, Frozen.predict, x)
+
+
+def test_a_wrapper_made_at_every_call_shares_what_the_host_learned():
+    # The prehash table and the hits decided on the host belong to the program, not to
+    # the wrapper: a step wrapped afresh at every call decides the hit as one wrapper does.
+    c = Counter()
+    x = data()[0]
+    model = memox.init(frozen(c), Frozen.predict, x)
+    traced = Traces()
+
+    def step(m, x):
+        traced.tick()
+        return _fine_tune(m, x)
+
+    for _ in range(5):
+        out, model = memox.filter_jit(step)(model, x)
+    hit = memox.filter_jit(step).lower(model, x).compile().as_text()
+    jax.effects_barrier()
+    assert "conditional" not in hit  # the hit is decided on the host
+    assert c.n == 1 and traced.n == 2  # (the second: the program of the decided hit)
+    with c.paused():
+        np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+
+
+def test_threads_wrapping_the_same_function_share_its_program():
+    # Each thread wraps the step afresh at every call, on a model of its own: one
+    # program, results right, each model's features computed once.
+    c = Counter()
+    x = data()[0]
+    traced = Traces()
+
+    def step(m, x):
+        traced.tick()
+        return _fine_tune(m, x)
+
+    warm = memox.init(frozen(c, seed=9), Frozen.predict, x)
+    for _ in range(3):
+        _, warm = memox.filter_jit(step)(warm, x)
+    jax.effects_barrier()
+    assert traced.n == 2
+
+    def run(seed):
+        model = memox.init(frozen(c, seed), Frozen.predict, x)
+        for _ in range(8):
+            out, model = memox.filter_jit(step)(model, x)
+        return out, model
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(4)))
+    jax.effects_barrier()
+    assert traced.n == 2 and c.n == 1 + 4
+    with c.paused():
+        for out, model in results:
+            np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+
+
+# (As from `eqx.filter_jit(...).lower`: JAX warns, lowering, of a donated input no output
+# can reuse.)
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize("donate", ["none", "all-except-first", "all"])
+def test_lower_compile_takes_and_returns_the_callers_trees(donate):
+    # Regression (issue 32): `.lower(...)` lowered memox's flat function, whose compiled
+    # form the caller's arguments did not fit. As Equinox's: called as the step.
+    c, traced = Counter(), Traces()
+    x = data()[0]
+
+    @memox.filter_jit(donate=donate)
+    def step(m, x):
+        traced.tick()
+        return _fine_tune(m, x)
+
+    model = memox.init(frozen(c), Frozen.predict, x)
+    compiled = step.lower(model, jnp.copy(x)).compile()
+    assert traced.n == 1
+    for _ in range(4):
+        out, model = compiled(model, jnp.copy(x))
+        with c.paused():
+            np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+    jax.effects_barrier()
+    # One program, fixed (it checks in-graph): the features computed once, then hits.
+    assert traced.n == 1 and c.n == 1 and memox.stats(model)["features_cache"].hits == 3
+    assert "conditional" in compiled.as_text() and compiled.memory_analysis() is not None
+
+
+def test_a_compiled_hit_program_runs_where_the_host_decides_that_hit():
+    # `step.lower(...)` after a loop lowers the program a call would run now (the hit
+    # decided on the host: no check). Compiled, it runs where the host decides that hit
+    # again; another call (a new model) runs the program that checks, compiled once.
+    c, traced = Counter(), Traces()
+    x = data()[0]
+
+    @memox.filter_jit
+    def step(m, x):
+        traced.tick()
+        return _fine_tune(m, x)
+
+    model = memox.init(frozen(c), Frozen.predict, x)
+    for _ in range(3):
+        _, model = step(model, x)
+    compiled = step.lower(model, x).compile()
+    assert "conditional" not in compiled.as_text()
+    for _ in range(3):
+        out, model = compiled(model, x)
+    other = memox.init(frozen(c, seed=5), Frozen.predict, x)
+    for _ in range(2):
+        out_other, other = compiled(other, x)
+    jax.effects_barrier()
+    # (`other`'s program, the checking one, was traced at the loop's first call.)
+    assert c.n == 2 and traced.n == 2
+    with c.paused():
+        np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out_other, other.predict(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_step_called_with_other_static_arguments_raises():
+    f = memox.filter_jit(lambda x, n: x * n)
+    compiled = f.lower(jnp.ones(3), 2).compile()
+    np.testing.assert_array_equal(compiled(jnp.ones(3), 2), 2 * jnp.ones(3))
+    with pytest.raises(TypeError, match=re.escape("lower and compile it again")):
+        compiled(jnp.ones(3), 3)
+
+
+def test_a_cache_table_deleted_elsewhere_is_recomputed():
+    # A hit's entries pass through as the caller's arrays: donating the returned model
+    # elsewhere deletes them in the model passed in too. That model still works: its
+    # slot is revived (recomputed, with a warning), by `memox.filter_jit`, `memox.call`
+    # and `memox.jit`. The parameters, copies, are untouched.
+    c = Counter()
+    x = data()[0]
+    step = memox.filter_jit(_fine_tune)
+    model = memox.init(frozen(c), Frozen.predict, x)
+    _, model = step(model, x)
+    _, new = step(model, x)  # a hit decided on the host: entries passed through
+    assert new.features_cache.value is model.features_cache.value
+    eqx.filter_jit(lambda t: t, donate="all")(new)
+    assert model.features_cache.value.is_deleted() and not model.w.is_deleted()
+    expected = [(step, (model, x)), (memox.call, (model, Frozen.predict, x))]
+    expected.append((memox.jit(Frozen.predict), (model, x)))
+    for f, args in expected:
+        with pytest.warns(UserWarning, match="were deleted"):
+            out, _ = f(*args)
+        with c.paused():
+            np.testing.assert_allclose(out, model.predict(x), rtol=1e-5, atol=1e-6)
+    jax.effects_barrier()
+    assert c.n == 1 + 3
+
+
+def test_an_original_is_held_while_a_copy_of_it_lives():
+    # A copy returned of an array a check reads is known as its original, which is held
+    # (so the host's decisions by identity apply to the copy) only while a copy lives.
+    import gc
+    import weakref
+
+    c = Counter()
+    x = data()[0]
+    step = memox.filter_jit(_fine_tune)
+    model = memox.init(frozen(c), Frozen.predict, x)
+    w = weakref.ref(model.w)
+    for _ in range(3):
+        _, model = step(model, x)
+    gc.collect()
+    assert w() is not None and model.w is not w()
+    del model
+    gc.collect()
+    assert w() is None
+
+
+def test_clear_caches_forgets_the_programs():
+    traced = Traces()
+
+    def f(x):
+        traced.tick()
+        return x + 1
+
+    memox.filter_jit(f)(jnp.ones(2))
+    memox.filter_jit(f)(jnp.ones(2))
+    memox.clear_caches()
+    memox.filter_jit(f)(jnp.ones(2))
+    assert traced.n == 2
