@@ -29,16 +29,19 @@ So `memox.scan` makes the value a loop constant by construction:
    fills only. It fills every slot exactly as `lax.scan`'s first step would, and records,
    per pinned slot, the value its first call returned and the entry that holds it. Its
    carry and output are not used (dead code under `jit`).
-3. **The loop**: `lax.scan` over the indices of *all* the elements (the body reads them
-   from `xs`, closed over: slicing `xs` would copy it), from `init` with its slots as the
-   first step left them. The pinned slots' entries (`value`, `valid`, `key`, `snapshot`)
-   leave the carry: the body closes over them and rebuilds each slot from them and its
-   carried counters, and they are put back after the loop. A pinned call returns the
-   first step's value, closed over by the body, and touches its entry. No fingerprint,
-   lookup or branch runs for it in the loop, and no residual depends on a per-step
-   value: under `grad` the value is a loop constant, saved once, whatever JAX's partial
-   evaluation hoists. At step 0 every other cached call finds the value the first step
-   stored (a hit), and every slot's counters are set to the first step's after it.
+3. **The loop**: `lax.scan` over *all* of `xs`, step 0 included, as `lax.scan` scans
+   it (with the step's index), from `init` with its slots as the first step left them.
+   No slice of `xs` is copied, and under `vjp` JAX forwards `xs` to the backward pass
+   where it needs an element (one read by index from `xs` closed over is a value of the
+   loop, saved per step: a copy of `xs`). The pinned slots' entries (`value`, `valid`,
+   `key`, `snapshot`) leave the carry: the body closes over them and rebuilds each slot
+   from them and its carried counters, and they are put back after the loop. A pinned
+   call returns the first step's value, closed over by the body, and touches its entry.
+   No fingerprint, lookup or branch runs for it in the loop, and no residual depends on
+   a per-step value: under `grad` the value is a loop constant, saved once, whatever
+   JAX's partial evaluation hoists. At step 0 every other cached call finds the value the
+   first step stored (a hit), and every slot's counters are set to the first step's
+   after it.
 
 So the loop is `lax.scan`'s loop, from the same `init`: the carry and the outputs have
 `lax.scan`'s types (weak types, shardings) by construction, `memox.stats` counts are
@@ -82,7 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, SupportsInt, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -109,12 +112,13 @@ def scan(
     f: Fn[[C, X], tuple[C, Y]],
     init: C,
     xs: X | None = None,
-    length: int | None = None,
+    length: SupportsInt | None = None,
     reverse: bool = False,
-    unroll: int | bool = 1,
+    unroll: SupportsInt = 1,
+    _split_transpose: bool = False,
 ) -> tuple[C, Y]:
-    """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, for a carry that holds
-    modules with `memox.Memo` slots.
+    """`jax.lax.scan(f, init, xs, length, reverse, unroll, _split_transpose)`, for a
+    carry that holds modules with `memox.Memo` slots.
 
     Cached methods whose inputs the loop does not change (their dependencies are
     passed through the carry unchanged, or come from outside the loop) are computed
@@ -164,17 +168,16 @@ def scan(
         ```
     """
     if not callable(f):
-        raise TypeError(_errors.NOT_CALLABLE.format(api="scan", got=type(f).__name__))
+        raise TypeError(_errors.SCAN_NOT_CALLABLE.format(got=type(f).__name__))
     n = _length(xs, length)
     candidates = frozenset(path for path, slot in slots(init).items() if slot.allocated)
-    if n is None or n < 2 or not candidates:
-        return lax.scan(f, init, xs, length, reverse, unroll)
-    pins, changed = _probe(f, init, xs, candidates, _jax_internals.current())
-    if not pins:
-        return lax.scan(f, init, xs, length, reverse, unroll)
-
-    init = jtu.tree_map(_as_array, init)  # as `lax.scan` would pass them to `f`
-    return _hoisted(f, init, xs, n, reverse, unroll, pins, changed)
+    if n is not None and n >= 2 and candidates:
+        pins, changed = _probe(f, init, xs, candidates, _jax_internals.current())
+        if pins:
+            init = jtu.tree_map(_as_array, init)  # as `lax.scan` would pass them to `f`
+            return _hoisted(f, init, xs, n, reverse, unroll, _split_transpose, pins, changed)
+    # (JAX annotates `length` and `unroll` as `int`; it takes what `int` takes.)
+    return lax.scan(f, init, xs, length, reverse, unroll, _split_transpose)  # pyright: ignore[reportArgumentType]
 
 
 def _hoisted(
@@ -183,13 +186,15 @@ def _hoisted(
     xs: Any,
     n: int,
     reverse: bool,
-    unroll: int | bool,
+    unroll: SupportsInt,
+    split_transpose: bool,
     pins: frozenset[Path],
     changed: list[bool],
 ) -> tuple[Any, Any]:
-    """`lax.scan(f, init, xs, n, reverse, unroll)`: the first step outside the loop, for
-    what it fills, then `lax.scan` over every step with the slots at `pins` read as loop
-    constants. `changed`: per leaf of `init`, whether `f` returns another value for it."""
+    """`lax.scan(f, init, xs, n, reverse, unroll, split_transpose)`: the first step
+    outside the loop, for what it fills, then `lax.scan` over every step with the slots
+    at `pins` read as loop constants. `changed`: per leaf of `init`, whether `f` returns
+    another value for it."""
     outer = _jax_internals.current()
     first = n - 1 if reverse else 0
     x_first = jtu.tree_map(lambda x: jnp.asarray(x)[first], xs)
@@ -203,7 +208,9 @@ def _hoisted(
     reads = _at_run_time(reads, step0=(filled, y))
     after = {path: slot for path, slot in slots(filled).items() if slot.allocated}
     while True:  # the pins held in the probe; they hold here unless `f` traces differently
-        carry, ys, failed = _loop(f, init, xs, n, reverse, unroll, pins, reads, after, outer)
+        carry, ys, failed = _loop(
+            f, init, xs, n, reverse, unroll, split_transpose, pins, reads, after, outer
+        )
         if not failed:
             return carry, ys
         pins = pins - failed  # (the loop traced is discarded: dead code under `jit`)
@@ -266,13 +273,14 @@ def _loop(
     xs: Any,
     n: int,
     reverse: bool,
-    unroll: int | bool,
+    unroll: SupportsInt,
+    split_transpose: bool,
     pins: frozenset[Path],
     reads: dict[Path, tuple[Any, Any]],
     after: dict[Path, Memo],
     outer: Any,
 ) -> tuple[Any, Any, frozenset[Path]]:
-    """`lax.scan(f, init, xs, n, reverse=reverse, unroll=unroll)`, its slots starting as
+    """`lax.scan(f, init, xs, n, reverse, unroll, split_transpose)`, its slots starting as
     the first step left them (`after`), with the slots at `pins` pinned: the first
     step's `reads` and the slots' entries are closed over by the body, not carried. Step
     0's counters are set to those of `after`. Also returns the pins that did not hold
@@ -284,14 +292,22 @@ def _loop(
 
     # A trace that raises keeps what its body closed over alive (JAX cleans a trace up
     # when it returns), so a pin that does not hold is reported, never raised.
-    def loop_body(c: Any, i: Any) -> Any:
-        # The element by index: slicing `xs` would copy it.
-        x = jtu.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+    def loop_body(c: Any, ix: Any) -> Any:
+        i, x = ix
         c_out, y = body(_with_entries(c, entries), x)
         return _without_entries(_counted_as(c_out, after, i == first), pins), y
 
+    # `xs` is scanned as `lax.scan` scans it, so that JAX forwards it under `vjp`.
     start = _without_entries(replace_slots(init, after), pins)
-    carry, ys = lax.scan(loop_body, start, jnp.arange(n), None, reverse, unroll)
+    carry, ys = lax.scan(
+        loop_body,
+        start,
+        (jnp.arange(n), xs),
+        None,
+        reverse,
+        unroll,  # pyright: ignore[reportArgumentType]
+        split_transpose,
+    )
     failed = frozenset().union(*(failed for _, failed in verdicts))
     return _with_entries(carry, entries), ys, failed
 
@@ -329,11 +345,16 @@ def _with_entries(tree: Any, entries: dict[Path, Memo]) -> Any:
     return replace_slots(tree, out)
 
 
-def _length(xs: Any, length: int | None) -> int | None:
-    """The number of steps, or `None` where `lax.scan` should say what is wrong."""
+def _length(xs: Any, length: SupportsInt | None) -> int | None:
+    """The number of steps, or `None` where `lax.scan` should say what is wrong. As
+    `lax.scan`, takes any `length` that `int` takes (a NumPy or JAX integer); a traced
+    one, or one that disagrees with `xs`, is left to `lax.scan` to refuse."""
     lengths = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jtu.tree_leaves(xs)}
     if length is not None:
-        lengths.add(length)
+        try:
+            lengths.add(int(length))
+        except (TypeError, ValueError):  # (`ConcretizationTypeError` for a tracer)
+            return None
     return lengths.pop() if len(lengths) == 1 else None  # (None where a leaf is a scalar)
 
 
