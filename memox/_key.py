@@ -170,10 +170,10 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 def same(recorded: Any, now: Any) -> bool:
     """Whether key `recorded`, under which a value was stored, is key `now` of a call:
-    the one comparison of keys on the host (in-graph: `_table.holds_key`). A key here is a frozen value built of static
-    keys (their canonical bytes), input positions and value types, so equality is exact
-    (never a user object's `==`). The values read complete it: the in-graph check
-    compares their fingerprints, salted with the static key's digest; a compiled
-    wrapper's host compares the arrays themselves by identity (`_decided.Hits.decide`:
-    an immutable array is its fingerprint)."""
+    the one comparison of keys on the host (in-graph: `_table.holds_key`). A key here is
+    a frozen value built of static keys (their canonical bytes), input positions and
+    value types, so equality is exact (never a user object's `==`). The values read
+    complete it: the in-graph check compares their fingerprints, salted with the static
+    key's digest; a compiled wrapper's host compares the arrays themselves by identity
+    (`_decided.Hits.decide`: an immutable array is its fingerprint)."""
     return recorded is now or recorded == now

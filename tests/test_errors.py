@@ -125,7 +125,8 @@ def test_jit_says_the_first_argument_must_be_the_module(module):
     with pytest.raises(TypeError, match=r"first argument must be the module; .* `step\(model"):
         memox.jit(lambda m: m)(module)
     c = Counter()
-    with pytest.raises(TypeError, match=r"first argument must be .* argument 2 .* holds the slots"):
+    message = r"first argument must be .* argument 2 .* holds the slots"
+    with pytest.raises(TypeError, match=message):
         memox.jit(lambda x, m: m.b() * x)(module, foo(c))
 
 
