@@ -5,10 +5,13 @@ checks every op ends with (values and types; which warnings are expected)."""
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import struct
+import sys
 import threading
 import traceback
+import types
 import warnings
 import zlib
 
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import memox
 from memox import Memo
@@ -115,6 +119,26 @@ def nan(payload):
     return float(np.array(0x7FF8000000000000 | payload, np.uint64).view(np.float64))
 
 
+def _ordered(**kwargs):
+    """Reads its keywords in order: the first one's value."""
+    return float(next(iter(kwargs.values())))
+
+
+class OwnCall(functools.partial):
+    """A `functools.partial` subclass overriding `__call__` (its fields are a partial's)."""
+
+    def __call__(self, *args, **kwargs):
+        return 10.0 + super().__call__(*args, **kwargs)
+
+
+# Partials a key could confuse: the same keywords in another order (`==` dicts), and a
+# subclass with the same fields that calls otherwise.
+PARTIALS = [
+    functools.partial(_ordered, a=1, b=2),
+    functools.partial(_ordered, b=2, a=1),
+    OwnCall(_ordered, a=1, b=2),
+]
+
 # Each part is a static field (`Model.aux`), a non-array argument (`Model.v`) and a
 # non-array leaf (`Leafy.part`). Neighbours that `==` (or a guess that "C callables are
 # stateless") once confused: they must never share a value.
@@ -143,17 +167,49 @@ PARTS = [
     Cfg(1.0),
     Cfg(0.0),
     Cfg(-0.0),
+    *PARTIALS,
     *jax.devices()[:2],  # distinct devices where there are two
 ]
 
 
 # The pairs a key could confuse: equal by `==` (`0.0 == -0.0`, `(1,) == (True,)`,
-# `Cfg(1) == Cfg(1.0)`), or of one type (two `itemgetter`s, two generators, two NaNs).
+# `Cfg(1) == Cfg(1.0)`), of one type (two `itemgetter`s, two generators, two NaNs), or
+# two partials.
 PAIRS = [
     (i, j)
     for i, a in enumerate(PARTS)
     for j, b in enumerate(PARTS)
-    if i != j and (type(a) is type(b) or a == b)
+    if i != j
+    and (type(a) is type(b) or a == b or all(isinstance(x, functools.partial) for x in (a, b)))
+]
+
+
+def _at(part):
+    """The index in `PARTS` of `part`: the same object, or one of its type and `repr`
+    (`==` confuses `1`, `True`, `1.0`)."""
+    return next(
+        i
+        for i, p in enumerate(PARTS)
+        if p is part or (type(p) is type(part) and repr(p) == repr(part))
+    )
+
+
+# Chains of parts changed one after the other on the same slots (`1 -> True -> 1.0`,
+# `0.0 -> -0.0`), alone, in tuples, in dataclasses, and partials.
+CHAINS = [
+    tuple(map(_at, chain))
+    for chain in [
+        (1, True, 1.0),
+        (1.0, True, 1),
+        (True, 1.0, 1),
+        (0.0, -0.0, 0.0),
+        (-0.0, 0.0),
+        ((1,), (True,), (1.0,)),
+        (Cfg(1), Cfg(True), Cfg(1.0)),
+        (Cfg(0.0), Cfg(-0.0)),
+        tuple(PARTIALS),
+        tuple(reversed(PARTIALS)),
+    ]
 ]
 
 
@@ -190,6 +246,8 @@ def use_part(part, x):
     part; the part as an array, whose dtype and weak type differ for `1`, `True`, `1.0`)."""
     if isinstance(part, operator.itemgetter | operator.attrgetter | operator.methodcaller):
         return jnp.broadcast_to(part(x), x.shape), jnp.int32(0), jnp.asarray(0)
+    if isinstance(part, functools.partial):  # 1.0, 2.0 (keywords reordered) or 11.0
+        return x * part(), jnp.int32(0), jnp.asarray(0)
     scalar = part
     while isinstance(scalar, tuple | Cfg):
         scalar = scalar[0] if isinstance(scalar, tuple) else scalar.flag
@@ -287,6 +345,69 @@ def one_element_changed(x, index):
     host = np.array(x)
     host.reshape(-1).view(np.uint8)[(index % host.size) * host.dtype.itemsize] ^= np.uint8(1)
     return jnp.asarray(host)
+
+
+# -- 10. a function or a config redefined under its name: a notebook cell run again ------
+
+NOTEBOOK_CELL = """
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    scale: float = 1.0
+    shift: float = dataclasses.field(default=0.0, repr=False)
+
+
+def act(x):
+    return jnp.sin(x) * {factor}
+
+
+def _other(x):
+    return jnp.cos(x) * {factor}
+
+
+if {rebind}:
+    act = _other  # the name rebound to another function of the cell
+
+cfg = Config(1.0, {shift})
+"""
+
+
+def notebook_cell(factor, shift, rebind):
+    """The module `fuzz_notebook` (in `sys.modules`) after its cell ran (again): `act`,
+    `Config` and `cfg` defined afresh under the same names, with another body."""
+    module = sys.modules.get("fuzz_notebook")
+    if module is None:
+        module = sys.modules["fuzz_notebook"] = types.ModuleType("fuzz_notebook")
+    source = NOTEBOOK_CELL.format(factor=factor, shift=shift, rebind=rebind)
+    exec(compile(source, "fuzz_notebook", "exec"), vars(module))
+    return module
+
+
+# -- 11. sharding: an Explicit mesh of one device (`f32[4@x]` is not `f32[4]`) ----------
+
+MESH = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+
+
+def sharded(spec, value):
+    """`[0, 1, 2, 3] / 4 + value` on `MESH`, split along `spec` (None: replicated); call
+    inside `jax.set_mesh(MESH)`."""
+    x = jnp.arange(4.0) / 4 + value
+    return jax.device_put(x, NamedSharding(MESH, PartitionSpec(spec)))
+
+
+class Sharded(eqx.Module):
+    """A module whose array's sharding is part of its type."""
+
+    o: jax.Array
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def n(self):
+        return self.o * 2.0 + 1.0
 
 
 # -- 8. threads --------------------------------------------------------------------------

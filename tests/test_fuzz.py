@@ -2,19 +2,32 @@
 sequence run without memox. No sequence may serve a stale value or a wrong gradient,
 nor a value of another type (dtype, weak type, shape).
 
-Each class of input that once returned another input's value (issue 18) has an op that
-makes the change between two calls on the same slots, so that a regression is found by
-construction, not by the chance of two ops meeting (the parts are in
-tests/fuzz_parts.py): `config` (x64, the PRNG flags, matmul precision, dtype promotion
-switched around calls of a method they change), `parts` (C callables, NumPy
-generators, devices, signed zeros, NaN payloads, `1`/`True`/`1.0` alone, in tuples and
-in dataclasses, as a static field, a non-array argument and a non-array leaf), `dtype`
-(sub-byte and 8-bit dependencies and values, one element changed), `ensemble` (variants
-of one `memox.init`ed template, one at two paths, `Exact` and `Manual`), `batched`
+Each class of input that once returned another input's value (issue 18), and each
+element of the key (issue 31, tests/test_key_matrix.py), has an op that makes the change
+between two calls on the same slots, so that a regression is found by construction, not
+by the chance of two ops meeting (the parts are in tests/fuzz_parts.py): `config` (x64,
+the PRNG flags, matmul precision, dtype promotion switched around calls of a method they
+change), `parts` (C callables, NumPy generators, devices, signed zeros, NaN payloads,
+partials with their keywords reordered or of a `functools.partial` subclass overriding
+`__call__`, chains `1 -> True -> 1.0` and `0.0 -> -0.0` alone, in tuples and in
+dataclasses, as a static field, a non-array argument and a non-array leaf), `dtype`
+(sub-byte and 8-bit dependencies and values, one element changed), `types` (the shape,
+dtype and weak type of an array a method reads, `o`, and of one it reads only for its
+type, `r`; the weak type of `s`), `notebook` (a function and a config object held as
+static fields, redefined or rebound under the same names by a module's source executed
+again, as a notebook cell run again), `shard` (an array split or replicated over an
+Explicit mesh of one device, `f32[4@x]` or `f32[4]`), `ensemble` (variants of one
+`memox.init`ed template, one at two paths, `Exact` and `Manual`), `batched`
 (`eqx.filter_vmap(memox.call)` over a batch of modules), `refresh` (`memox.clear` or
 `memox.invalidate` inside `fn`: one miss, then a hit) and `threads` (two threads
-sharing one compiled wrapper). Warnings are errors (pyproject), except memox's
-`UncachedWarning` for a batched predicate under `vmap`, which the semantics call for.
+sharing one compiled wrapper). The calls run eagerly, under `memox.jit`,
+`memox.filter_jit`, the user's `eqx.filter_jit` and `jax.jit` around `memox.call`, and
+in the body of a `lax.scan` and a `memox.scan` with the module as the carry. Static
+parts equal by `==` (`1`, `True`) would share one program under `eqx.filter_jit`,
+`memox.filter_jit` and `jax.jit`, with or without memox: the compiled functions take the
+part's index as a static argument (`_tag`), so the unmemoized value stays the reference
+everywhere. Warnings are errors (pyproject), except memox's `UncachedWarning` for a
+batched predicate under `vmap`, which the semantics call for.
 
 CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200) under the leak checker; the
 nightly size is 10,000 sequences, e.g. as two processes
@@ -39,21 +52,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fuzz_parts import (
+    CHAINS,
     CONFIG_CASES,
     CONFIGS,
     DTYPES,
+    MESH,
     PAIRS,
     PARTS,
     Ensemble,
     Layer,
     Leafy,
+    Sharded,
     assert_same,
     batched_warnings_allowed,
     computable,
     ensemble,
+    notebook_cell,
     one_element_changed,
     part_index,
     random_bits,
+    sharded,
     use_part,
 )
 from helpers import run_threads
@@ -103,6 +121,16 @@ ACTIVATIONS = {
 SHAPES = [(3,), (4,), (2, 2)]
 FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]
 T_SHAPES = [(4,), (2, 3)]
+
+
+def _typed(shape, dtype, weak):
+    """Halves of shape `SHAPES[shape]` and dtype `FLOATS[dtype]`, or weakly typed (a
+    weak type is the default float's: `dtype` is then not used)."""
+    if weak:
+        return jnp.full(SHAPES[shape], 0.5)
+    return jnp.full(SHAPES[shape], 0.5, FLOATS[dtype])
+
+
 # Above `memox.filter_jit`'s prehash threshold (256 KiB): fingerprinted outside.
 BIGS = [
     jnp.asarray(np.random.default_rng(i).normal(size=(257, 256)), jnp.float32) for i in range(2)
@@ -112,13 +140,14 @@ BIGS = [
 class Model(eqx.Module):
     """A small family: methods reading different arrays, a static field, an
     argument-keyed table, a cached method calling two others, and the inputs that once
-    broke the key: an array read only for its shape and dtype (`r`), a weakly or
-    strongly typed scalar (`s`), a callable static field (`act`), a typed PRNG key, a
-    static dataclass whose `repr` hides a field, a static part (`aux`) and a non-array
-    argument (`v`) from `PARTS`, an array of any dtype (`t`), an array fingerprinted
-    outside `memox.filter_jit` (`big`), and methods whose values depend on JAX's
-    configuration (`x`: x64, `y`: the PRNG flags, `k`). Its `__init__` is custom and
-    leaves the slots to their defaults, as Equinox modules usually do."""
+    broke the key: an array read only for its shape, dtype and weak type (`r`), one
+    whose type the value has (`o`), a weakly or strongly typed scalar (`s`), a callable
+    static field (`act`), a typed PRNG key, a static dataclass whose `repr` hides a
+    field, a static part (`aux`) and a non-array argument (`v`) from `PARTS`, an array
+    of any dtype (`t`), an array fingerprinted outside `memox.filter_jit` (`big`), and
+    methods whose values depend on JAX's configuration (`x`: x64, `y`: the PRNG flags,
+    `k`). Its `__init__` is custom and leaves the slots to their defaults, as Equinox
+    modules usually do."""
 
     # `act` is a static field here (a callable leaf is covered by test_soundness.py and
     # `Leafy`): the model is a `lax.scan` carry and a `vmap` argument, which take arrays
@@ -128,6 +157,7 @@ class Model(eqx.Module):
     q: jax.Array  # (3, 3)
     r: jax.Array
     s: jax.Array
+    o: jax.Array
     key: jax.Array
     t: jax.Array
     big: jax.Array
@@ -150,11 +180,13 @@ class Model(eqx.Module):
     v_table: Memo[tuple[jax.Array, jax.Array, jax.Array]] = Memo(size=2)
     x_cache: Memo[jax.Array] = Memo()
     y_cache: Memo[jax.Array] = Memo()
+    n_cache: Memo[jax.Array] = Memo()
 
     def __init__(self, p, q):
         self.p, self.q = p, q
         self.r = jnp.ones(3)
         self.s = jnp.asarray(2.0)  # weakly typed
+        self.o = _typed(0, 0, True)
         self.key = jax.random.key(0)
         self.t = jnp.arange(4, dtype=jnp.int8)
         self.big = BIGS[0]
@@ -162,8 +194,10 @@ class Model(eqx.Module):
 
     @memox.cached("e_cache")
     def e(self):
+        # `r` read for its shape, its dtype and its weak type only.
         eye = jnp.eye(self.r.shape[0], dtype=self.r.dtype)
-        return eye * jnp.finfo(self.r.dtype).eps * self.cfg.scale + self.cfg.shift
+        weak = 2.0 if jax.typeof(self.r).weak_type else 0.0
+        return eye * jnp.finfo(self.r.dtype).eps * self.cfg.scale + self.cfg.shift + weak
 
     @memox.cached("g_cache")
     def g(self):
@@ -221,6 +255,10 @@ class Model(eqx.Module):
     def y(self):  # the seed offset applies to a key made inside
         return jax.random.uniform(jax.random.key(7), (3,), self.p.dtype) + self.p
 
+    @memox.cached("n_cache")
+    def n(self):  # a value of `o`'s type: shape, dtype, weak type
+        return self.o * 2.0 + 1.0
+
 
 METHODS = {
     "a": "a_cache",
@@ -238,6 +276,7 @@ METHODS = {
     "v": "v_table",
     "x": "x_cache",
     "y": "y_cache",
+    "n": "n_cache",
 }
 NAMES = list(METHODS)
 GRAD_NAMES = [n for n in NAMES if n not in ("tv", "w", "u", "v")]  # one float array
@@ -269,6 +308,9 @@ REFRESH = {
     "invalidate": lambda m, name: memox.invalidate(m, getattr(Model, name)),
 }
 PLACEMENTS = ["eager", "memox.jit", "memox.jit donate=False", "memox.filter_jit", "eqx.filter_jit"]
+# Where a call may run besides: memox's code under the user's own `jax.jit` (the module's
+# arrays traced, the rest static) and in the body of a scan with the module as the carry.
+CALL_PLACEMENTS = [*PLACEMENTS, "jax.jit", "lax.scan", "memox.scan"]
 
 
 @functools.cache
@@ -287,12 +329,70 @@ def _compiled(placement, name, refresh=None):
 
 def _run(placement, model, name, arg, refresh=None):
     args = _args(name, arg)
+    if placement not in PLACEMENTS:
+        assert refresh is None, placement
+        return _place(placement, model, _method(name), args, _tag(model, name, arg))
     if placement == "eager":
         return memox.call(model, lambda m: getattr(REFRESH[refresh](m, name), name)(*args))
     return _compiled(placement, name, refresh)(model, args, _tag(model, name, arg))
 
 
 SCANS = {"lax": jax.lax.scan, "memox": memox.scan}
+
+
+@functools.cache
+def _method(name):
+    return lambda m, *args: getattr(m, name)(*args)
+
+
+@functools.cache
+def _jax_jitted(fn):
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def run(arrays, treedef, statics, tag):
+        module, args = eqx.combine(arrays, jax.tree.unflatten(treedef, statics))
+        got, out = memox.call(module, fn, *args)
+        return got, eqx.filter(out, eqx.is_array)
+
+    return run
+
+
+@functools.cache
+def _scanned(fn, scan):
+    def body(m, args):
+        y, m = memox.call(m, fn, *args)
+        return m, y
+
+    return eqx.filter_jit(
+        lambda m, args, tag: SCANS[scan](lambda m, _: body(m, args), m, length=2)
+    )
+
+
+@functools.cache
+def _wrapped(placement, fn):
+    if placement.startswith("memox.jit"):
+        return memox.jit(lambda m, args, tag: fn(m, *args), donate=placement == "memox.jit")
+    wrap = memox.filter_jit if placement == "memox.filter_jit" else eqx.filter_jit
+    return wrap(lambda m, args, tag: memox.call(m, fn, *args))
+
+
+def _place(placement, module, fn, args, tag):
+    """`memox.call(module, fn, *args)` under any of `CALL_PLACEMENTS`; `tag`: a static
+    argument of compiled functions (see `_tag`). Under `jax.jit` and in a scan the
+    module's slots are allocated for the current types first (a program's outputs and a
+    carry keep their structure)."""
+    if placement == "eager":
+        return memox.call(module, fn, *args)
+    if placement == "jax.jit":
+        module = memox.init(module, fn, *args)
+        arrays, static = eqx.partition((module, args), eqx.is_array)
+        statics, treedef = jax.tree.flatten(static)
+        got, out = _jax_jitted(fn)(arrays, treedef, tuple(statics), tag)
+        return got, eqx.combine(out, static[0])
+    if placement in ("lax.scan", "memox.scan"):
+        module = memox.init(module, fn, *args)
+        module, ys = _scanned(fn, placement.split(".")[0])(module, args, tag)
+        return _element(ys, 1), module
+    return _wrapped(placement, fn)(module, args, tag)
 
 
 @functools.cache
@@ -398,15 +498,17 @@ class State:
     ensemble: Ensemble
     manual: list
     leafy: Leafy
+    sharded: Sharded
 
     @classmethod
     def new(cls):
         # New nodes around the first example's arrays (allocating every slot afresh cost
         # seconds per example under the leak checker, which compiles every eager op): no
         # example sees another's slots, and `memox.jit` donates none of these arrays.
-        model, template = jax.tree.map(lambda x: x, _initial())
+        model, template, shard = jax.tree.map(lambda x: x, _initial())
         ens = ensemble(template, 0)
-        return cls(model, template, ens, [None] * len(ens.layers), Leafy(XS[0], PARTS[0]))
+        leafy = Leafy(XS[0], PARTS[0])
+        return cls(model, template, ens, [None] * len(ens.layers), leafy, shard)
 
 
 @functools.cache
@@ -415,7 +517,9 @@ def _initial():
     # Every slot allocated (the tables through calls with an argument), so that the model
     # is a valid scan carry.
     model = memox.init(model, lambda m: (m.c(XS[0]), m.v(PARTS[0])))
-    return model, memox.init(Layer(jnp.zeros(2)))
+    with jax.set_mesh(MESH):
+        shard = memox.init(Sharded(sharded(None, 0.0)))
+    return model, memox.init(Layer(jnp.zeros(2))), shard
 
 
 OPS = {}
@@ -434,7 +538,7 @@ def op(kind, *params):
 # -- the model: calls, changes, transformations -------------------------------------------
 
 
-@op("call", st.sampled_from(NAMES), ARGS, st.sampled_from(PLACEMENTS))
+@op("call", st.sampled_from(NAMES), ARGS, st.sampled_from(CALL_PLACEMENTS))
 def _call(state, name, arg, placement):
     got, state.model = _run(placement, state.model, name, arg)
     assert_same(got, _plain(state.model, name, _args(name, arg)), f"{placement} {name}")
@@ -520,9 +624,14 @@ def _vmap(state):
     assert_same(got, want, "vmap c")
 
 
-@op("retype", st.integers(0, 2), st.integers(0, 2))
-def _retype(state, shape, dtype):
-    state.model = eqx.tree_at(lambda m: m.r, state.model, jnp.ones(SHAPES[shape], FLOATS[dtype]))
+@op("retype", st.integers(0, 2), st.integers(0, 2), st.booleans())
+def _retype(state, shape, dtype, weak):
+    state.model = eqx.tree_at(lambda m: m.r, state.model, _typed(shape, dtype, weak))
+
+
+@op("reread", st.integers(0, 2), st.integers(0, 2), st.booleans())
+def _reread(state, shape, dtype, weak):
+    state.model = eqx.tree_at(lambda m: m.o, state.model, _typed(shape, dtype, weak))
 
 
 @op("weak", st.booleans())
@@ -574,6 +683,8 @@ def _config(state, case, arg, placement, inner):
 
 @functools.cache
 def _leafy(placement):
+    if placement == "jax.jit":
+        return lambda leafy, tag: _place(placement, leafy, Leafy.use, (), tag)
     if placement.startswith("memox.jit"):
         return memox.jit(lambda leafy, tag: leafy.use())
     wrap = memox.filter_jit if placement == "memox.filter_jit" else eqx.filter_jit
@@ -581,7 +692,8 @@ def _leafy(placement):
 
 
 def _use_part(state, i, where, placement):
-    """Call the method that reads part `PARTS[i]`, held `where`."""
+    """Call the method that reads part `PARTS[i]`, held `where` (a leaf is not in a
+    scan: a carry holds arrays; there it runs under `jax.jit`)."""
     if where == "static field":
         state.model = _replace(state.model, aux=PARTS[i])
         _call(state, "u", 0, placement)
@@ -592,23 +704,27 @@ def _use_part(state, i, where, placement):
         if placement == "eager":
             got, state.leafy = memox.call(leafy, Leafy.use)
         else:
+            placement = "jax.jit" if placement.endswith("scan") else placement
             got, state.leafy = _leafy(placement)(leafy, i)
         assert_same(got, leafy.use(), f"{placement} leaf {PARTS[i]!r}")
 
 
 @op(
     "parts",
-    st.sampled_from(PAIRS),
+    st.sampled_from(PAIRS + CHAINS),
     st.sampled_from(["static field", "argument", "leaf"]),
-    st.sampled_from(PLACEMENTS),
+    st.sampled_from(CALL_PLACEMENTS),
 )
-def _parts(state, pair, where, placement):
-    """2, 3. Two non-array parts a key could confuse (C callables, generators,
-    devices; `==` but not the same: signed zeros, NaN payloads, `1`/`True`/`1.0`, in
-    tuples and dataclasses) as a static field, an argument (the table then holds both;
-    back to the first) or a non-array leaf."""
-    first, second = pair
-    for i in (first, second, first) if where == "argument" else (first, second):
+def _parts(state, chain, where, placement):
+    """2, 3. Two or three non-array parts a key could confuse, one after the other (C
+    callables, generators, devices, partials with their keywords reordered or of a
+    subclass overriding `__call__`; `==` but not the same: signed zeros, NaN payloads,
+    `1 -> True -> 1.0`, in tuples and dataclasses) as a static field, an argument (the
+    table then holds them; back to the first) or a non-array leaf. Under
+    `memox.filter_jit` and `eqx.filter_jit` (and `jax.jit`), which compile once for
+    static parts equal by `==`, the part's index is a static argument of the compiled
+    function (`_tag`): each compiles its own program, the unmemoized reference holds."""
+    for i in (*chain, chain[0]) if where == "argument" else chain:
         _use_part(state, i, where, placement)
 
 
@@ -618,7 +734,7 @@ def _parts(state, pair, where, placement):
     st.integers(0, 3),
     st.integers(0, len(T_SHAPES) - 1),
     st.sampled_from(["tv", "w"]),
-    st.sampled_from(PLACEMENTS),
+    st.sampled_from(CALL_PLACEMENTS),
 )
 def _dtype(state, name, seed, shape, method, placement):
     """5. A dependency of a sub-byte or 8-bit dtype, then the same with one element
@@ -712,6 +828,76 @@ def _threads(state, wrapper, name, arg):
     state.model = finals[0]
 
 
+TYPE_CHANGES = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 2), st.booleans()), min_size=1, max_size=3
+)
+
+
+@op("types", st.sampled_from(["r", "o", "s"]), TYPE_CHANGES, st.sampled_from(CALL_PLACEMENTS))
+def _types(state, field, changes, placement):
+    """9. The type of an array changed between calls of a method, one to three times:
+    one it reads (`o`, read by `n`: shape, dtype, weak type; `s`, read by `g`: its weak
+    type only, the shape and dtype drawn are not used) or one it reads only for its type
+    (`r`, read by `e`: `r.shape[0]`, `jnp.finfo(r.dtype).eps`, its weak type)."""
+    name = {"r": "e", "o": "n", "s": "g"}[field]
+    _call(state, name, 0, placement)
+    for shape, dtype, weak in changes:
+        if field == "s":
+            _weak(state, weak)
+        else:
+            (_retype if field == "r" else _reread)(state, shape, dtype, weak)
+        _call(state, name, 0, placement)
+
+
+@op(
+    "notebook",
+    st.lists(
+        st.tuples(st.sampled_from([2.0, 3.0]), st.sampled_from([0.0, 1.0]), st.booleans()),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from(["h", "e"]),
+    st.sampled_from(CALL_PLACEMENTS),
+)
+def _notebook(state, cells, name, placement):
+    """10. A function (`act`, read by `h`) and a config object (`cfg`, read by `e`) held
+    as static fields, then redefined under the same names by a notebook cell run again
+    (a module in `sys.modules` whose source is executed again with another body, the
+    name `act` maybe rebound to another function of the cell) and set again, between
+    calls on the same slots."""
+    _call(state, name, 0, placement)
+    for factor, shift, rebind in cells:
+        user = notebook_cell(factor, shift, rebind)
+        state.model = _replace(state.model, act=user.act, cfg=user.cfg)
+        _call(state, name, 0, placement)
+
+
+# Not in a scan: `memox.init` keeps a slot allocated for a replicated value when the
+# value becomes split (`u32[1,4]` for `u32[1,4@x]`), and the carry then changes type.
+SHARD_PLACEMENTS = [p for p in CALL_PLACEMENTS if not p.endswith("scan")]
+
+
+@op(
+    "shard",
+    st.lists(
+        st.tuples(st.sampled_from([None, "x"]), st.sampled_from([0.0, 1.0])),
+        min_size=2,
+        max_size=3,
+    ),
+    st.sampled_from(SHARD_PLACEMENTS),
+)
+def _shard(state, steps, placement):
+    """11. The sharding of a read array changed between calls (replicated or split over
+    the axis of an Explicit mesh of one device: `f32[4]` or `f32[4@x]`, a type), with
+    or without its value, inside `jax.set_mesh` (a module of its own: the model is used
+    off the mesh)."""
+    with jax.set_mesh(MESH):
+        for spec, value in steps:
+            module = eqx.tree_at(lambda s: s.o, state.sharded, sharded(spec, value))
+            got, state.sharded = _place(placement, module, Sharded.n, (), 0)
+            assert_same(got, module.n(), f"{placement} sharded n, P({spec!r})")
+
+
 # -- 4. an ensemble of variants of one template, one of them at two paths ------------------
 
 
@@ -791,7 +977,7 @@ def _ensemble_refresh(state, refresh):
 # after x64 is off is not what a configuration change means), or another configuration.
 _READS = ["call", "refresh", "scan", "grad scan", "grad", "vmap", "batched", "parts", "dtype"]
 _reads = st.one_of([OPS[kind][1] for kind in _READS])
-_config_params = [st.sampled_from(CONFIG_CASES), ARGS, st.sampled_from(PLACEMENTS)]
+_config_params = [st.sampled_from(CONFIG_CASES), ARGS, st.sampled_from(CALL_PLACEMENTS)]
 OPS["config"] = (
     _config,
     st.tuples(
