@@ -2,6 +2,10 @@
 statistics and jaxprs, and the placements a cached call is tested in."""
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import equinox as eqx
@@ -235,3 +239,25 @@ class Checked:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children)
+
+
+def run_on_devices(code, n):
+    """Run `code` in a fresh Python with `n` CPU devices (XLA's flag must be set before
+    JAX is imported); return what it printed as `RESULT <json>`, parsed."""
+    flags = " ".join(
+        f
+        for f in (os.environ.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={n}")
+        if f
+    )
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=os.path.dirname(__file__),  # import the memox this process imported, not ./memox
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line.removeprefix("RESULT "))

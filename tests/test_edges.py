@@ -1,10 +1,6 @@
 """Slots in the containers JAX and checkpointers hand back: an empty slot whose markers came
 back as 0-d arrays, and a value the method puts on another device than its slot's."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -12,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Counter, Foo, foo
+from helpers import Counter, Foo, foo, run_on_devices
 
 import memox
 from memox import Memo
@@ -236,21 +232,7 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def two_devices():
-    flags = " ".join(
-        f for f in (os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2") if f
-    )
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=env,
-        cwd=os.path.dirname(__file__),  # import the memox this process imported, not ./memox
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_on_devices(CHILD, 2)
 
 
 # Regression guard (issue 31 case 10): eagerly, storing a value the method put on device 1

@@ -2,13 +2,10 @@
 starts, so the child gets `XLA_FLAGS=--xla_force_host_platform_device_count=8` before it
 imports JAX). The child runs every check once and reports JSON; the tests read it."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import run_on_devices
 
 
 CHILD = textwrap.dedent(
@@ -294,21 +291,7 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def child():
-    flags = " ".join(
-        f for f in (os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8") if f
-    )
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=env,
-        cwd=os.path.dirname(__file__),  # import the memox this process imported, not ./memox
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line.removeprefix("RESULT "))
+    return run_on_devices(CHILD, 8)
 
 
 def _ok(part):
