@@ -35,16 +35,18 @@ def _step(L, theta, h, x):
     return jnp.tanh(jax.scipy.linalg.cho_solve((L, True), h * theta + x))
 
 
-def _loss_through(scan):
-    """The module is the scan's carry (the documented pattern: fills propagate)."""
+def _loss_through(scan, step=None, h0=0.0):
+    """The module is the scan's carry (the documented pattern: fills propagate); each
+    step is `step` (default `_step`) from `h = h0`."""
+    step = _step if step is None else step
 
     def loss(theta, m, xs):
         def body(carry, x):
             m, h = carry
             L, m = memox.call(m, Model.chol)
-            return (m, _step(L, theta, h, x)), None
+            return (m, step(L, theta, h, x)), None
 
-        (_, h), _ = scan(body, (m, jnp.zeros(N)), xs)
+        (_, h), _ = scan(body, (m, jnp.full(N, h0, jnp.float32)), xs)
         return jnp.sum(h**2)
 
     return loss
@@ -155,16 +157,7 @@ def _matrix_losses():
     """A body whose backward pass reads each element `x` of `xs`, an (N, N) matrix."""
 
     def memoized(scan):
-        def loss(theta, m, xs):
-            def body(carry, x):
-                m, h = carry
-                L, m = memox.call(m, Model.chol)
-                return (m, _matrix_step(L, theta, h, x)), None
-
-            (_, h), _ = scan(body, (m, jnp.ones(N)), xs)
-            return jnp.sum(h**2)
-
-        return loss
+        return _loss_through(scan, _matrix_step, 1.0)
 
     def plain(theta, m, xs):
         def body(h, x):
