@@ -37,7 +37,8 @@ notebook cell runs again):
   would read its module state, locks and registries, and cost a walk of the library.)
 - anything else through this process's table (`_Local`): an object of a class with its
   own `__eq__` by equality with its type (the semantics `jax.jit` gives static
-  arguments; unhashable: refused, as `jax.jit` refuses it), any other object (an
+  arguments; unhashable: refused as a static part, as `jax.jit` refuses it, and by
+  identity where code reads it, as a global `Counter`), any other object (an
   `operator.itemgetter(0)`, a NumPy `Generator`, a function closing over an array) by
   identity. Never by a guess that two distinct objects behave alike, never by `repr`.
 
@@ -405,9 +406,11 @@ class _Tokens:
             try:
                 hash(x)
             except TypeError:
-                raise TypeError(
-                    _errors.UNHASHABLE_STATIC.format(type=type(x).__qualname__)
-                ) from None
+                if not self._in_code:
+                    raise TypeError(
+                        _errors.UNHASHABLE_STATIC.format(type=type(x).__qualname__)
+                    ) from None
+                by_identity = True  # read by code (a global `Counter`): as `jax.jit` does
         processes = _jax_internals.process_count()
         if processes > 1:
             raise ValueError(

@@ -5,6 +5,7 @@ executions; and one answer in every process: functions and classes defined in a
 function by their code (issue 19). By content, never by a name that can be rebound
 (issue 31)."""
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -266,6 +267,42 @@ def test_an_equal_function_hits_and_a_different_one_recomputes(placement):
     value, _ = call_in(placement, other, Applied.out)
     assert_same(value, -2.0 * module.x)
     assert counter.n == 2
+
+
+_TRACES = collections.Counter()  # a global a cached method writes to
+
+
+class Counted(eqx.Module):
+    x: jax.Array
+    counter: Counter = eqx.field(static=True)
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        _TRACES["out"] += 1
+        self.counter.tick()
+        return self.x * 2
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_method_reading_an_unhashable_global_is_keyed_on_it_by_identity(placement):
+    # The examples count traces in a module-level `collections.Counter`: an unhashable
+    # object with its own `__eq__`, read by the method's code. `jax.jit` captures such a
+    # global when it traces; memox keys on it by identity and does not refuse it.
+    counter = Counter()
+    module = Counted(jnp.arange(3.0), counter)
+    value, module = call_in(placement, module, Counted.out)
+    again, _ = call_in(placement, module, Counted.out)
+    assert_same(value, 2 * module.x)
+    assert_same(again, 2 * module.x)
+    assert counter.n == 1
+    assert _key.static_key(_token.token(Counted.out)).local
+
+
+def test_an_unhashable_static_field_is_refused():
+    module = Applied(jnp.arange(3.0), collections.Counter(), Counter())
+    with pytest.raises(TypeError, match="`Counter` is neither hashable nor a plain value"):
+        memox.call(module, Applied.out)
 
 
 def _closing_over_an_array():
