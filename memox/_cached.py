@@ -159,18 +159,17 @@ class CachedMethod(Generic[Owner, P, R]):
 if TYPE_CHECKING:
     SlotName: typing.TypeAlias = str
     PolicyArg: typing.TypeAlias = Policy | None
-    MethodArg: typing.TypeAlias = CachedMethod[Any, ..., Any]  # an unbound cached method
 else:
-    SlotName = PolicyArg = MethodArg = Any
+    SlotName = PolicyArg = Any
 
 
 @typing.overload
 def cached(
-    slot: str, /, *, policy: Policy = ...
+    slot: str, /, *, policy: Policy = Exact()
 ) -> Callable[[Callable[Concatenate[Owner, P], R]], CachedMethod[Owner, P, R]]: ...
 @typing.overload
 def cached(
-    slot: str, method: Callable[Concatenate[Owner, P], R], /, *, policy: Policy = ...
+    slot: str, method: Callable[Concatenate[Owner, P], R], /, *, policy: Policy = Exact()
 ) -> CachedMethod[Owner, P, R]: ...
 def cached(
     slot: SlotName, method: Callable[..., Any] | None = None, /, *, policy: PolicyArg = None
@@ -263,7 +262,14 @@ def _is_nnx(cls: type) -> bool:
 
 
 def cached_methods(cls: type, skip: str | None = None) -> dict[str, CachedMethod]:
-    """The cached methods of `cls` by attribute name (subclasses override bases)."""
+    """The cached methods of `cls` by attribute name (subclasses override bases).
+
+    !!! Example
+
+        ```python
+        assert memox.internal.cached_methods(Foo) == {"b": Foo.b}
+        ```
+    """
     found: dict[str, CachedMethod] = {}
     for klass in reversed(cls.__mro__):
         for attr, value in klass.__dict__.items():

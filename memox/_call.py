@@ -6,7 +6,6 @@ arguments the public functions share (`check_fn`, `check_module`)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any, Concatenate
 
 import equinox as eqx
@@ -22,7 +21,7 @@ from ._plan import plan_without_arguments
 from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites
 from ._slot import Memo, is_memo
 from ._table import allocate, mesh_of
-from ._typing import Fn, M, P, R
+from ._typing import Callable, M, P, R
 
 
 def check_fn(api: str, fn: Any) -> None:
@@ -105,7 +104,7 @@ def _replaced(module: M, sites: list[SlotSite], new: dict[Path, Memo]) -> tuple[
 
 
 def call(
-    module: M, fn: Fn[Concatenate[M, P], R], /, *args: P.args, **kwargs: P.kwargs
+    module: M, fn: Callable[Concatenate[M, P], R], /, *args: P.args, **kwargs: P.kwargs
 ) -> tuple[R, M]:
     """Run `fn(module, *args, **kwargs)` with `module`'s cache slots live.
 

@@ -56,7 +56,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import equinox as eqx
 import jax
@@ -71,10 +71,9 @@ from ._partition import ARRAY, hashable_combine, hashable_partition
 from ._sites import holds_empty
 from ._slot import Memo, is_memo
 from ._table import copied, entry_leaves
+from ._typing import P, R
 
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
 Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 _DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
 _SENTINEL: Any = object()
@@ -93,9 +92,16 @@ def _is_input(x: Any) -> bool:
 
 
 @overload
-def filter_jit(*, donate: Donate = "none") -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+def filter_jit(
+    *, donate: Literal["all", "all-except-first", "warn", "warn-except-first", "none"] = "none"
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 @overload
-def filter_jit(fun: Callable[_P, _T], /, *, donate: Donate = "none") -> Callable[_P, _T]: ...
+def filter_jit(
+    fun: Callable[P, R],
+    /,
+    *,
+    donate: Literal["all", "all-except-first", "warn", "warn-except-first", "none"] = "none",
+) -> Callable[P, R]: ...
 def filter_jit(fun: Any = _SENTINEL, /, *, donate: Any = "none") -> Any:
     """`eqx.filter_jit`, with the fingerprints of unchanged inputs computed once.
 

@@ -204,7 +204,16 @@ def host_fingerprint(x: np.ndarray) -> np.ndarray:
 
 
 def fingerprint(leaves: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
-    """The fingerprint of the values of `leaves`, salted by a static digest."""
+    """The fingerprint of the values of `leaves`, salted by a static digest: two
+    `uint32` words, equal for equal values.
+
+    !!! Example
+
+        ```python
+        key = memox.internal.fingerprint([jnp.ones(3)], (0, 0))
+        assert (key == memox.internal.fingerprint([jnp.ones(3)], (0, 0))).all()
+        ```
+    """
     return combine([array_fingerprint(x) for x in leaves], salt)
 
 

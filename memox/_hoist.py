@@ -8,15 +8,15 @@ solve), the method then returns that value with no check and no branch.
 
 from __future__ import annotations
 
-from . import _context, _errors
-from ._cached import CachedMethod, MethodArg, method_for
+from . import _cached, _context, _errors
+from ._cached import method_for
 from ._call import check_module
 from ._hoisted import Hoisted
 from ._sites import replace_slots, slot_sites
-from ._typing import M
+from ._typing import CachedMethod, M
 
 
-def hoist(module: M, /, *methods: MethodArg) -> M:
+def hoist(module: M, /, *methods: CachedMethod) -> M:
     """Read cached values now, for a computation that `memox.call` cannot see into.
 
     Inside `memox.call` or `memox.jit`, a cached method called inside a transformation
@@ -52,18 +52,18 @@ def hoist(module: M, /, *methods: MethodArg) -> M:
     !!! Example
 
         ```python
-        def solve(model, y0):
-            term = diffrax.ODETerm(memox.hoist(model))   # model.weight(): once per solve
-            return diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0).ys
+        def fn(foo, x):
+            view = memox.hoist(foo)   # foo.b(): read here, once
+            return jax.lax.fori_loop(0, 3, lambda i, y: y + view.b() * x, 0.0)
 
-        ys, model = memox.call(model, solve, y0)
+        y, foo = memox.call(foo, fn, jnp.float32(2.0))
         ```
     """
     if not isinstance(_context.top(), _context.Frame):
         raise ValueError(_errors.HOIST_OUTSIDE_CALL)
     check_module("hoist", module)
     for method in methods:
-        if not isinstance(method, CachedMethod):
+        if not isinstance(method, _cached.CachedMethod):
             raise TypeError(_errors.NOT_CACHED.format(api="hoist", got=repr(method)))
     new = {}
     for site in slot_sites(module):

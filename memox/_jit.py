@@ -49,7 +49,7 @@ from ._lifecycle import allocated
 from ._partition import Signature, Signatures, refilled, with_entries, without_entries
 from ._sites import slots
 from ._table import entry_leaves
-from ._typing import Fn, M, P, R
+from ._typing import M, P, R
 
 
 class _Static(eqx.Module):
@@ -64,12 +64,12 @@ _SENTINEL: Any = object()
 @overload
 def jit(
     *, donate: bool = True
-) -> Callable[[Fn[Concatenate[M, P], R]], Callable[Concatenate[M, P], tuple[R, M]]]: ...
+) -> Callable[[Callable[Concatenate[M, P], R]], Callable[Concatenate[M, P], tuple[R, M]]]: ...
 @overload
 def jit(
-    fn: Fn[Concatenate[M, P], R], /, *, donate: bool = True
+    fn: Callable[Concatenate[M, P], R], /, *, donate: bool = True
 ) -> Callable[Concatenate[M, P], tuple[R, M]]: ...
-def jit(fn: Fn[Concatenate[M, P], R] = _SENTINEL, /, *, donate: Any = True) -> Any:
+def jit(fn: Any = _SENTINEL, /, *, donate: Any = True) -> Any:
     """Compile `memox.call(module, fn, ...)`, with `eqx.filter_jit` semantics.
 
     Use it as `memox.jit(fn)`, `memox.jit(fn, donate=False)`, or as a decorator:

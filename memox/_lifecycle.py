@@ -10,23 +10,26 @@ from typing import Any, Concatenate, overload
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jaxtyping import ArrayLike, Bool
 
-from . import _context, _errors
-from ._cached import CachedMethod, MethodArg, method_for
+from . import _cached, _context, _errors
+from ._cached import method_for
 from ._caches import ByIdentity
 from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
 from ._jax_internals import is_concrete_array
 from ._sites import SlotSite, replace_slots, slot_sites, slots
 from ._slot import EMPTY, Memo, is_empty, is_memo
 from ._table import allocate_like, emptied, invalidated, mesh_of
-from ._typing import Fn, M, P
+from ._typing import CachedMethod, Callable, M, P
 
 
 @overload
 def init(module: M, /) -> M: ...
 @overload
-def init(module: M, fn: Fn[Concatenate[M, P], Any], /, *args: P.args, **kwargs: P.kwargs) -> M: ...
-def init(module: M, fn: Fn[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
+def init(
+    module: M, fn: Callable[Concatenate[M, P], Any], /, *args: P.args, **kwargs: P.kwargs
+) -> M: ...
+def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwargs: Any) -> M:
     """Allocate `module`'s slots without computing anything.
 
     **Arguments:**
@@ -111,7 +114,7 @@ def clear(module: M) -> M:
     return invalidate(module)
 
 
-def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
+def invalidate(module: M, /, *methods: CachedMethod, when: Bool[ArrayLike, ""] = True) -> M:
     """Invalidate the slots of some cached methods, where a condition holds.
 
     Unlike `memox.clear`, this takes a boolean array, so a traced loop can decide to
@@ -138,7 +141,7 @@ def invalidate(module: M, /, *methods: MethodArg, when: Any = True) -> M:
     """
     check_module("invalidate", module)
     for method in methods:
-        if not isinstance(method, CachedMethod):
+        if not isinstance(method, _cached.CachedMethod):
             raise TypeError(_errors.NOT_CACHED.format(api="invalidate", got=repr(method)))
     sites = [
         site
@@ -166,12 +169,11 @@ def _invalidate_running(sites: list[SlotSite], when: Any) -> None:
 def strip(module: M) -> M:
     """`module` with every slot empty: no cache arrays at all.
 
-    An empty slot holds no arrays (its fields are the integer marker `EMPTY`), so the
-    stripped module holds your parameters only: save it to checkpoint without caches,
-    with any checkpointer
-    (`ocp.StandardCheckpointer().save(path, memox.strip(model))`,
-    `eqx.tree_serialise_leaves(path, memox.strip(model))`), and restore it into
-    `memox.strip(like)` (slots refill on first use). It is a module as constructed.
+    An empty slot holds no arrays. So the stripped module holds your parameters only.
+    Save it to checkpoint without caches, with any checkpointer:
+    `eqx.tree_serialise_leaves(path, memox.strip(model))`, or
+    `ocp.StandardCheckpointer().save(path, memox.strip(model))`. Restore it into
+    `memox.strip(like)`. The slots refill on first use.
 
     **Arguments:**
 

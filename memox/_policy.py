@@ -36,7 +36,16 @@ from jaxtyping import Array, Bool
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
-    """When a stored value may be reused. Use `Exact`, `Drift` or `Manual`."""
+    """When a stored value may be reused: the base class of `Exact`, `Drift` and
+    `Manual`. Pass one of those to `memox.cached(..., policy=...)`.
+
+    !!! Example
+
+        ```python
+        policy = memox.policies.Drift(rtol=0.1)
+        assert isinstance(policy, memox.policies.Policy)
+        ```
+    """
 
     max_age: int | None = None
 

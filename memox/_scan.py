@@ -84,7 +84,6 @@ under `vmap`) runs in the loop's step 0 again (counts stay `lax.scan`'s).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, SupportsInt, TypeVar
 
 import jax
@@ -96,7 +95,7 @@ from jax import lax
 from . import _context, _errors, _jax_internals
 from ._sites import Path, replace_slots, slots
 from ._slot import ENTRY_FIELDS, Memo
-from ._typing import Fn
+from ._typing import Callable
 
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ Y = TypeVar("Y")
 
 
 def scan(
-    f: Fn[[C, X], tuple[C, Y]],
+    f: Callable[[C, X], tuple[C, Y]],
     init: C,
     xs: X | None = None,
     length: SupportsInt | None = None,
@@ -181,7 +180,7 @@ def scan(
 
 
 def _hoisted(
-    f: Callable,
+    f: Callable[..., Any],
     init: Any,
     xs: Any,
     n: int,
@@ -268,7 +267,7 @@ def _hidden(tree: Any, hide: Callable[[int, Any], bool] = lambda i, a: True) -> 
 
 
 def _loop(
-    f: Callable,
+    f: Callable[..., Any],
     init: Any,
     xs: Any,
     n: int,
@@ -364,12 +363,12 @@ def _as_array(x: Any) -> Any:
 
 
 def _pinned(
-    f: Callable,
+    f: Callable[..., Any],
     allowed: frozenset[Path],
     outer: Any,
     verdicts: list[tuple[frozenset[Path], frozenset[Path]]],
     reads: dict[Path, tuple[Any, Any]] | None = None,
-) -> Callable:
+) -> Callable[..., Any]:
     """`f` with the slots at paths `allowed` of its carry pinned: reading the first
     step's `reads` (in the loop), or the table (in the probe, without `reads`). Appends
     to `verdicts` the pins that were used and held, and those that did not hold."""
@@ -390,7 +389,7 @@ def _carry_of(out: Any) -> Any:
 
 
 def _probe(
-    f: Callable, init: Any, xs: Any, candidates: frozenset[Path], outer: Any
+    f: Callable[..., Any], init: Any, xs: Any, candidates: frozenset[Path], outer: Any
 ) -> tuple[frozenset[Path], list[bool]]:
     """The slots of `init` that `f` can read as loop constants (abstract traces), and
     per leaf of `init`, whether `f` returns another value for it."""

@@ -104,9 +104,18 @@ def layout(treedef: Any) -> Layout | None:
 
 @dataclasses.dataclass(frozen=True)
 class SlotSite:
-    """A slot found in a pytree: its path, the module that owns it, and the field name."""
+    """A slot found in a pytree: its path, the slot, the module that owns it, and the
+    field name (None where the owner is not a module, such as a list).
 
-    path: Path
+    !!! Example
+
+        ```python
+        (site,) = memox.internal.slot_sites(foo)
+        assert isinstance(site, memox.internal.SlotSite) and site.field == "b_cache"
+        ```
+    """
+
+    path: jtu.KeyPath
     slot: Memo
     owner: Any
     field: str | None
@@ -119,7 +128,16 @@ def slots(tree: PyTree) -> dict[Path, Memo]:
 
 
 def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
-    """Every `Memo` in `tree`, with the object owning it."""
+    """Every `Memo` in `tree`, with the object owning it: each as a `SlotSite` with
+    `path`, `slot`, `owner` and `field`.
+
+    !!! Example
+
+        ```python
+        (site,) = memox.internal.slot_sites(foo)
+        assert (site.owner, site.field) == (foo, "b_cache")
+        ```
+    """
     found = layout(jtu.tree_structure(tree))
     located = None if found is None else _located(tree, found)
     if located is None:

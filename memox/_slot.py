@@ -37,6 +37,7 @@ What is done to a slot's tables (allocation, lookup, store, invalidation) is in
 
 from __future__ import annotations
 
+import inspect
 import sys
 import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -191,6 +192,20 @@ class Memo(eqx.Module, Generic[T]):
         )
 
 
+# The constructor to call is `Memo()` or `Memo(size=K)`: memox fills the other fields.
+# `help(memox.Memo)` and the API reference show that signature.
+setattr(
+    Memo.__init__,
+    "__signature__",
+    inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("size", inspect.Parameter.KEYWORD_ONLY, default=1, annotation=int),
+        ]
+    ),
+)
+
+
 def is_value_table(value: Any) -> bool:
     """Whether `value`, a slot's `value` field (its first leaf), is an allocated slot's
     table: entries along a leading axis. The one test of allocation. Not the `EMPTY`
@@ -232,7 +247,15 @@ HIT_UNCHANGED = ("value", "valid", "key", "misses", "snapshot")
 FIELDS = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
 
 
-def is_memo(x: Any) -> bool:
+def is_memo(x: object) -> bool:
+    """Whether `x` is a `memox.Memo` slot: the `is_leaf` to stop a tree walk at slots.
+
+    !!! Example
+
+        ```python
+        assert memox.internal.is_memo(foo.b_cache) and not memox.internal.is_memo(foo.a)
+        ```
+    """
     return isinstance(x, Memo)
 
 

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jaxtyping import PyTree
 
 from ._cached import method_for
 from ._call import check_module
@@ -88,7 +89,7 @@ def _unflatten_stats(static: tuple, counts: Any) -> SlotStats:
 jtu.register_pytree_with_keys(SlotStats, _flatten_stats, _unflatten_stats)
 
 
-def stats(module: Any) -> dict[str, SlotStats]:
+def stats(module: PyTree) -> dict[str, SlotStats]:
     """Hit and miss counts, and FLOPs saved, of every slot of `module`.
 
     The counters live in the slots, so they count calls made inside `jax.jit`,

@@ -62,6 +62,13 @@ class Spec:
     `leaves` describe the data stored (a PRNG key as its `key_data`); `types` say, per
     leaf, what the method returned besides: whether it was weakly typed, the PRNG
     implementation of a key, and its sharding where that is part of its type.
+
+    !!! Example
+
+        ```python
+        spec = memox.internal.Spec.of((jnp.ones(3), jnp.zeros((2, 2), jnp.int32)))
+        assert spec.leaves == (((3,), "float32"), ((2, 2), "int32"))
+        ```
     """
 
     treedef: Any
@@ -90,7 +97,16 @@ class Spec:
 
 @dataclasses.dataclass(frozen=True)
 class LeafType:
-    """The type of a returned leaf beyond its stored data."""
+    """The type of a returned leaf beyond its stored data: weakly typed or not, the
+    implementation of a PRNG key, its sharding where that is part of its type.
+
+    !!! Example
+
+        ```python
+        assert memox.internal.LeafType.of(jnp.float32(1.0)) == memox.internal.LeafType()
+        assert memox.internal.LeafType.of(jnp.asarray(1.0)).weak
+        ```
+    """
 
     weak: bool = False
     key_impl: str | None = None  # the PRNG implementation of a typed key

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 
 from . import _errors, _jax_internals
 from ._caches import ByIdentity
@@ -341,7 +341,7 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
     return dataclasses.replace(slot, **{f: place(f, getattr(slot, f)) for f in fields})
 
 
-def invalidated(slot: Memo, when: Array | bool = True) -> Memo:
+def invalidated(slot: Memo, when: ArrayLike = True) -> Memo:
     """`slot` with every entry invalid where `when` holds, its allocation kept."""
     if not slot.allocated:
         return slot

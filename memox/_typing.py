@@ -1,10 +1,11 @@
-"""Type variables of the public API, and `Fn`: a callable type that run-time checkers skip.
+"""Type variables of the public API, and the types of the arguments memox checks itself.
 
-memox validates `fn` itself, with messages that say what to do (it must be callable, and
-a method must be passed unbound). The test suite runs memox under a run-time type checker
-(beartype, through jaxtyping's import hook), which would answer first with a generic
-message: `Fn[[A, B], R]` is `Callable[[A, B], R]` for static checkers and `Any` at run
-time.
+memox validates `fn` and `*methods` with messages that say what to do: `fn` must be
+callable and a method must be passed unbound; `*methods` must be cached methods. The
+test suite runs memox under a run-time type checker (beartype, through jaxtyping's
+import hook), which would answer first with a generic message. So `Callable` and
+`CachedMethod` imported from here are the real types for static checkers and the API
+reference, and are not checked at run time.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 if TYPE_CHECKING:
-    from collections.abc import Callable as Fn
+    from collections.abc import Callable
+
+    from ._cached import CachedMethod
 else:
 
-    class Fn:
-        """`collections.abc.Callable` for static checkers; `Fn[...]` is `Any` at run time."""
+    class Callable:
+        """`collections.abc.Callable` for static checkers; `Callable[...]` is `Any` at
+        run time."""
 
         def __class_getitem__(cls, item: Any) -> Any:
             return Any
+
+    CachedMethod = Any

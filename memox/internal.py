@@ -4,9 +4,9 @@ import warnings as _warnings
 
 from ._cached import cached_methods as cached_methods
 from ._fingerprint import fingerprint as fingerprint
-from ._sites import slot_sites as slot_sites
+from ._sites import SlotSite as SlotSite, slot_sites as slot_sites
 from ._slot import is_memo as is_memo
-from ._storage import Spec as Spec
+from ._storage import LeafType as LeafType, Spec as Spec
 
 
 # Public now (`memox.CachedMethod`, `memox.FlopCount`); the old names work for one release.

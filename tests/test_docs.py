@@ -39,7 +39,7 @@ def blocks(page: pathlib.Path) -> list[tuple[int, str, bool]]:
     return [(i, m["code"], m["skip"] is not None) for i, m in enumerate(FENCE.finditer(text), 1)]
 
 
-# Pages with code to run (transformations.md and api.md have none).
+# Pages with code to run (transformations.md has none).
 RUNNABLE = [p for p in PAGES if any(not skipped for _, _, skipped in blocks(p))]
 
 

@@ -1,8 +1,8 @@
-"""The public names, and every docstring example runs."""
+"""The public names, and the README's examples run (the docstrings' run in
+test_docstring_examples.py)."""
 
 import pathlib
 import re
-import textwrap
 
 import equinox as eqx
 import jax
@@ -55,28 +55,6 @@ def test_returned_types_are_public():
             DeprecationWarning, match=f"`memox.internal.{name}` is now `memox.{name}`"
         ):
             assert getattr(memox.internal, name) is getattr(memox, name)
-
-
-def _examples(obj):
-    doc = obj.__doc__ or ""
-    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
-    return [textwrap.dedent(b) for b in blocks]
-
-
-def test_every_public_callable_has_an_example():
-    for name in PUBLIC:
-        assert _examples(getattr(memox, name)), name
-
-
-def test_docstring_examples_run_in_order():
-    # Memo's example defines `Foo`; init's makes `foo`; the others use them.
-    namespace = {"jax": jax, "jnp": jnp, "eqx": eqx, "memox": memox}
-    order = ["Memo", "cached", "CachedMethod", "init", "scan", "call", "jit", "clear", "stats"]
-    order += ["SlotStats"]
-    for name in [*order, "FlopCount"]:
-        for code in _examples(getattr(memox, name)):
-            exec(compile(code, f"<memox.{name} docstring>", "exec"), namespace)
-    assert memox.stats(namespace["foo"])["b_cache"].misses >= 1
 
 
 def test_readme_examples_run():

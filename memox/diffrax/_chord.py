@@ -44,15 +44,15 @@ class FixedVeryChord(diffrax.VeryChord):
     """`diffrax.VeryChord` with the convergence test of diffrax#754: the chord iteration
     fails on divergence only.
 
-    diffrax 0.7.2's `VeryChord` (the default root finder of `Kvaerno3/4/5` and
-    `ImplicitEuler`) also fails an iteration that has not converged after two
-    iterations, so that it rejects steps which would converge: in benchmark s9
-    (`Kvaerno5`, rtol 1e-6) it takes 6.6-10x this one's wall time on Robertson, Van der
-    Pol and HIRES, and 4.7x on a 2048-unknown Brusselator. This is the test of the root
-    finder of [`memox.diffrax.ReuseJacobian`][]: the fair baseline for what reuse saves,
-    and the faster solver on systems of a few unknowns, where a factorisation costs less
-    than the Newton iterations reuse adds. A diffrax with the fix makes
-    `diffrax.VeryChord` the same.
+    diffrax 0.7.2's `VeryChord` is the default root finder of `Kvaerno3/4/5` and
+    `ImplicitEuler`. It also fails an iteration that has not converged after two
+    iterations, so it rejects steps which would converge. Benchmark s9 measures the
+    cost.
+
+    This is the test of the root finder of [`memox.diffrax.ReuseJacobian`][]. It is the
+    fair baseline for what reuse saves. It is also the faster solver on systems of a
+    few unknowns, where a factorisation costs less than the Newton iterations reuse
+    adds. A diffrax with the fix makes `diffrax.VeryChord` the same.
 
     **Arguments:**
 

@@ -46,6 +46,23 @@ class ReuseState(eqx.Module):
         `factorisations + reuses` is the number of accepted steps.
     - `retries`: steps whose Newton iteration failed with a reused factorisation and
         were run again with a fresh one (counted in `factorisations` too).
+
+    !!! Example
+
+        ```python
+        import diffrax
+        import memox.diffrax
+
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -100.0 * y),
+            memox.diffrax.ReuseJacobian(diffrax.Kvaerno5()),
+            t0=0.0, t1=1.0, dt0=0.01, y0=jnp.ones(2),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-8),
+            saveat=diffrax.SaveAt(t1=True, solver_state=True),
+        )
+        state = sol.solver_state
+        assert state.factorisations + state.reuses == sol.stats["num_accepted_steps"]
+        ```
     """
 
     inner: PyTree
@@ -58,11 +75,12 @@ class ReuseState(eqx.Module):
 
 
 # Validated by `ReuseJacobian.__check_init__` with a message that says what to do; typed
-# for static checkers only, so that a run-time type checker does not answer first.
+# for static checkers and the API reference only, so that a run-time type checker does
+# not answer first.
 if TYPE_CHECKING:
-    _Solver = diffrax.AbstractImplicitSolver
+    from diffrax import AbstractImplicitSolver
 else:
-    _Solver = Any
+    AbstractImplicitSolver = Any
 
 
 class ReuseJacobian(diffrax.AbstractWrappedSolver):
@@ -90,28 +108,10 @@ class ReuseJacobian(diffrax.AbstractWrappedSolver):
     whichever matrix found it.
 
     Worth it when a factorisation costs more than a few evaluations of the vector
-    field (systems of more than a few dozen unknowns): a reused matrix needs more
-    Newton iterations, each one evaluation. Each figure below is LU factorisations
-    (rejected steps included) per accepted step, and names what it is measured
-    against; all use a `PIDController`, float64.
-
-    - Against the same `Kvaerno5` without the wrapper, with the same Newton convergence
-        test ("fixed chord": `memox.diffrax.FixedVeryChord` as its root finder), at
-        rtol 1e-6 (benchmark s9, `benchmarks/results/2026-11-23-cpu.md`): on a
-        2048-unknown Brusselator 0.50 instead of 2, in 0.46x the wall time; on
-        Robertson, Van der Pol and HIRES (2-8 unknowns) 0.51-0.73 instead of 2-2.9, in
-        1.0-1.7x the wall time (an LU that small costs less than the extra Newton
-        iterations). diffrax's controller changes the step size at every step, so about
-        every other step still refactorises.
-    - Lower orders take smaller steps and reuse more (the solves of
-        `tests/test_diffrax.py`): on HIRES at rtol 1e-6, `Kvaerno4` 0.25 and `Kvaerno3`
-        0.10, against 2.2 and 2.1 with the fixed chord test; `ImplicitEuler` (with an
-        `optimistix.Chord` root finder) on Van der Pol and HIRES at rtol 1e-4, 0.08
-        against 1.04-1.07 without the wrapper.
-    - Against diffrax 0.7.2's default `Kvaerno5` (its unfixed chord test rejects steps
-        that would converge: 3.7-4.4 per accepted step in s9), the wrapper takes 0.10x
-        its wall time on the Brusselator, mostly from the fixed test: the fixed chord
-        solver alone takes 0.21x.
+    field: systems of more than a few dozen unknowns. A reused matrix needs more Newton
+    iterations, each one evaluation. Lower orders take smaller steps and reuse more.
+    Benchmark s9 measures it against the same solver without the wrapper; its figures
+    are on the [performance](performance.md) page.
 
     **Arguments:**
 
@@ -140,15 +140,15 @@ class ReuseJacobian(diffrax.AbstractWrappedSolver):
             diffrax.ODETerm(robertson),
             memox.diffrax.ReuseJacobian(diffrax.Kvaerno5()),
             t0=0.0, t1=100.0, dt0=1e-4, y0=jnp.array([1.0, 0.0, 0.0]),
-            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-9),
+            stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-8),
             saveat=diffrax.SaveAt(t1=True, solver_state=True),
         )
-        state = sol.solver_state  # memox.diffrax.ReuseState
-        state.factorisations, state.reuses, sol.stats["num_accepted_steps"]
+        state = sol.solver_state  # a memox.diffrax.ReuseState
+        print(state.factorisations, state.reuses)  # counts of accepted steps
         ```
     """
 
-    solver: _Solver  # pyright: ignore[reportIncompatibleVariableOverride]
+    solver: AbstractImplicitSolver  # pyright: ignore[reportIncompatibleVariableOverride]
     max_age: int = eqx.field(static=True, default=20)
     gamma_drift: float = eqx.field(static=True, default=0.3)
 
