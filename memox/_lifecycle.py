@@ -15,11 +15,19 @@ from jaxtyping import ArrayLike, Bool
 from . import _cached, _context, _errors
 from ._cached import method_for
 from ._caches import ByIdentity
-from ._call import allocate_plain_slots, changed_slots, check_fn, check_module, revive, run
+from ._call import (
+    allocate_plain_slots,
+    changed_slots,
+    check_fn,
+    check_module,
+    check_slots,
+    revive,
+    run,
+)
 from ._jax_internals import is_concrete_array
 from ._sites import SlotSite, replace_slots, slot_sites, slots
 from ._slot import EMPTY, Memo, is_empty, is_memo
-from ._table import allocate_like, emptied, invalidated, mesh_of
+from ._table import allocate_like, emptied, invalidated, mesh_of, storage
 from ._typing import CachedMethod, Callable, M, P
 
 
@@ -58,6 +66,7 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
         ```
     """
     check_module("init", module)
+    check_slots("init", module, list(slot_sites(module)), args, kwargs)
     module = allocate_plain_slots(module)
     if fn is None:
         return module
@@ -71,7 +80,7 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
     before = slots(module)
     mesh = mesh_of(jtu.tree_leaves((module, args, kwargs)))
     new = {
-        site.path: allocate_like(site.slot, mesh)
+        site.path: allocate_like(site.slot, mesh, before[site.path])
         for site in slot_sites(shapes)
         if site.slot.allocated and not _same_storage(before[site.path], site.slot)
     }
@@ -79,12 +88,9 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
 
 
 def _same_storage(slot: Memo, shapes: Memo) -> bool:
-    """Whether `slot` is allocated with the tables `shapes` has (the value's and the
-    snapshot's: a `Drift` slot's snapshot grows with its dependencies)."""
-
-    def storage(s: Memo) -> list[tuple[Any, Any]]:
-        return [(x.shape, x.dtype) for x in jtu.tree_leaves(s)]
-
+    """Whether `slot` is allocated with the tables `shapes` has (the value's, with its
+    sharding where that is part of its type, and the snapshot's: a `Drift` slot's
+    snapshot grows with its dependencies)."""
     return (
         slot.allocated
         and jtu.tree_structure(slot) == jtu.tree_structure(shapes)

@@ -46,7 +46,7 @@ from ._policy import fresh
 from ._sites import Path, path_name
 from ._slot import Memo, is_memo
 from ._storage import as_data, pack, retyped, strong, unpack
-from ._table import conformed, entry, entry_kept, holding, lookup, passed_on, stored
+from ._table import entry, entry_kept, holding, lookup, passed_on, stored
 
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Memoised:
 
     def run(self, call: Call) -> Any:
         frame, path, policy = call.frame, call.path, self.policy
-        slot = conformed(call.slot, self.plan.spec, [*call.arrays, *call.arg_arrays])
+        slot = call.slot
         deps = [x for i, x in enumerate(call.arrays) if i in self.used]
         others = [x for i, x in enumerate(call.arrays) if i not in self.used]
         keyed = [*deps, *call.arg_arrays] if policy.keys_dependencies else call.arg_arrays

@@ -292,10 +292,11 @@ def fit(
 ) -> Memo:
     """`slot` with room for the value of `the_plan`, allocated where the structure may
     change (on the mesh of the concrete `inputs`, the module's arrays and the call's);
-    an error where it may not (inside a loop body, or another cached method)."""
+    an error where it may not (inside a loop body, or another cached method). Its table
+    is typed as the value is (`conformed`: sharded like it where that is its type)."""
     snapshot_bytes = the_plan.snapshot_bytes(method.policy)
     if slot.holds(the_plan.spec, snapshot_bytes):
-        return slot
+        return conformed(slot, the_plan.spec, list(inputs))
     where = dict(method=method.qualname, slot=path_name(path), new=the_plan.spec.describe())
     if frame.method is not None:
         raise ValueError(_errors.UNALLOCATED_NESTED.format(outer=frame.method, **where))

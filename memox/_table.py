@@ -68,13 +68,16 @@ def allocate(slot: Memo, spec: Spec, snapshot_bytes: int | None, mesh: Mesh | No
     )
 
 
-def allocate_like(shapes: Memo, mesh: Mesh | None = None) -> Memo:
+def allocate_like(shapes: Memo, mesh: Mesh | None = None, counts: Memo | None = None) -> Memo:
     """A slot of zeros shaped like `shapes` (a slot of `jax.ShapeDtypeStruct`s, as from
-    `jax.eval_shape`), placed on `mesh` as `allocate` places it."""
+    `jax.eval_shape`), placed on `mesh` as `allocate` places it; hit and miss counts
+    carried over from an allocated `counts`."""
 
     def zeros(name: str, s: jax.ShapeDtypeStruct) -> Array:
-        explicit = explicit_sharding(s) if name == "value" else None  # (the table's)
-        return _zeros(s.shape, s.dtype, mesh, None if explicit is None else explicit.spec)
+        new = _zeros(s.shape, s.dtype, mesh, _typed_spec(name, s))
+        if counts is not None and counts.allocated and name in ("hits", "misses"):
+            return jax.device_put(getattr(counts, name), new.sharding)
+        return new
 
     return dataclasses.replace(
         shapes,
@@ -84,6 +87,26 @@ def allocate_like(shapes: Memo, mesh: Mesh | None = None) -> Memo:
             if isinstance(x := getattr(shapes, f), jax.ShapeDtypeStruct)
         },
     )
+
+
+def storage(slot: Memo) -> list[tuple[str, Any, Any, Any]]:
+    """What `allocate_like` makes of each table of `slot` (arrays or shapes): its name,
+    shape and dtype, and the value table's sharding where it is part of the type. Two
+    slots with equal storage hold each other's tables: a scan carry keeps its type."""
+    out = []
+    for name in FIELDS:
+        for x in jtu.tree_leaves(getattr(slot, name)):  # (a snapshot: a tree)
+            spec = _typed_spec(name, x)
+            padded = None if spec is None else (*spec, *[None] * (len(x.shape) - len(spec)))
+            out.append((name, x.shape, x.dtype, padded))
+    return out
+
+
+def _typed_spec(name: str, x: Any) -> PartitionSpec | None:
+    """The spec a table is allocated with: the value table's, where its mesh has
+    `Explicit` axes (the sharding is part of its type); else none (replicated)."""
+    explicit = explicit_sharding(x) if name == "value" else None
+    return None if explicit is None else explicit.spec
 
 
 def mesh_of(arrays: Iterable[Any]) -> Mesh | None:
@@ -307,19 +330,25 @@ def _put(table: Array, update: Array, index: Array) -> Array:
 
 
 def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
-    """`slot` whose table is sharded like values of `spec` (entries along a replicated
-    leading axis), where that sharding is part of the type (`Explicit` mesh axes): done
-    before the hit/miss branch, so that both branches return a table of one type. Its
-    other leaves are replicated over the same mesh (one set of devices per slot). Outside
-    a trace, the devices are those of the concrete `inputs` on that mesh."""
-    if spec.packed or not spec.types or spec.types[0].sharding is None:
+    """`slot` whose value table has the type values of `spec` give it, where sharding is
+    part of the type (`Explicit` mesh axes): sharded like them (entries along a
+    replicated leading axis), or replicated where they have no such sharding (a slot
+    filled on a mesh, then called off it). Done before the hit/miss branch, so that both
+    branches return a table of one type. Its other leaves are replicated over the same
+    mesh (one set of devices per slot). Outside a trace, the devices are those of the
+    concrete `inputs` on that mesh, else the table's own."""
+    if spec.packed or not spec.types:
         return slot
-    sharding = spec.types[0].sharding
-    want = NamedSharding(sharding.mesh, _table_spec(sharding, slot.value.ndim - 1))
-    if jax.typeof(slot.value).sharding == want:
-        return slot
-    mesh = sharding.mesh
-    for x in inputs:  # eagerly: the concrete mesh the inputs live on
+    sharding, current = spec.types[0].sharding, explicit_sharding(jax.typeof(slot.value))
+    if sharding is None:  # replicated, if the table is not
+        if current is None or all(axis is None for axis in current.spec):
+            return slot
+        mesh, table_spec = current.mesh, PartitionSpec()
+    else:
+        mesh, table_spec = sharding.mesh, _table_spec(sharding, slot.value.ndim - 1)
+        if jax.typeof(slot.value).sharding == NamedSharding(mesh, table_spec):
+            return slot
+    for x in [*inputs, slot.value]:  # eagerly: the concrete mesh the arrays live on
         concrete = (
             getattr(getattr(x, "sharding", None), "mesh", None) if is_concrete_array(x) else None
         )
@@ -328,7 +357,7 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
             break
     if not isinstance(mesh, Mesh) and not _jax_internals.transforming():
         raise ValueError(_errors.MESH_NOT_FOUND.format(axes=tuple(mesh.axis_names)))
-    want = NamedSharding(mesh, want.spec)
+    want = NamedSharding(mesh, table_spec)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def place(name: str, x: Array) -> Array:

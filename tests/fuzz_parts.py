@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from helpers import type_of
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import memox
@@ -30,12 +31,12 @@ from memox import Memo
 
 
 def assert_same(got, want, what):
-    """Equal types (tree structure; dtype, weak type, shape of every leaf) and values:
+    """Equal types (tree structure; `type_of` every leaf) and values:
     floats to rounding (memox computes inside a `cond`, the reference op by op), the
     rest exactly."""
     assert jax.tree.structure(got) == jax.tree.structure(want), (what, got, want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert jax.typeof(g) == jax.typeof(w), (what, jax.typeof(g), jax.typeof(w))
+        assert type_of(g) == type_of(w), (what, jax.typeof(g), jax.typeof(w))
         if jnp.issubdtype(w.dtype, jnp.inexact):
             np.testing.assert_allclose(
                 np.asarray(g, np.float32),

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import equinox as eqx
 import jax
@@ -31,13 +32,26 @@ class Counter:
 
     @contextlib.contextmanager
     def paused(self):
-        """Executions inside (a reference computation) are not counted."""
+        """Executions inside (a reference computation, `reference()`) are not counted."""
         n = self.n
         try:
-            yield
+            with reference():
+                yield
         finally:
             jax.effects_barrier()
             self.n = n
+
+
+@contextlib.contextmanager
+def reference():
+    """A reference computation: cached methods run under a transformation outside
+    `memox.call` on purpose, computing every time, so memox's `UncachedWarning` saying
+    so is expected (no other warning is)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", ".* but outside `memox.call`", category=memox.UncachedWarning
+        )
+        yield
 
 
 class Traces:
@@ -214,10 +228,21 @@ def call_in(placement, module, method):
     return jax.jit(lambda m: memox.call(m, method))(memox.init(module))
 
 
+def type_of(x):
+    """`x`'s type as JAX joins types: shape, dtype, weak type, the sharding where it is
+    part of the type (`Explicit` mesh axes), varying manual axes. Replicated is no
+    sharding: JAX joins a replicated array of a mesh with an array of none (`a + b`, a
+    `cond`'s branches)."""
+    aval = jax.typeof(x)
+    spec = getattr(getattr(aval, "sharding", None), "spec", ())
+    sharded = tuple(spec) if any(axis is not None for axis in spec) else None
+    return aval.shape, aval.dtype, aval.weak_type, sharded, getattr(aval, "vma", None)
+
+
 def assert_same(value, expected):
-    """Equal bits and equal types (dtype, weak type, shape)."""
+    """Equal bits and equal types (`type_of`)."""
     for x, y in zip(jax.tree.leaves(value), jax.tree.leaves(expected)):
-        assert jax.typeof(x) == jax.typeof(y), (jax.typeof(x), jax.typeof(y))
+        assert type_of(x) == type_of(y), (jax.typeof(x), jax.typeof(y))
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -4,8 +4,16 @@ imports JAX). The child runs every check once and reports JSON; the tests read i
 
 import textwrap
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import run_on_devices
+from helpers import assert_same, call_in, run_on_devices, type_of
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import memox
+from memox import Memo
 
 
 CHILD = textwrap.dedent(
@@ -396,3 +404,57 @@ def test_checkpoint_restores_shardings_and_hits(child):
     assert not part["eqx_default_shardings_kept"]
     assert part["eqx_shardings_kept"] and part["eqx_traces"] == 1
     assert part["eqx_counts"] == [1, 1]
+
+
+# -- one device, in this process: a slot's table takes the type its value gives it ------
+
+
+class _Doubled(eqx.Module):
+    x: jax.Array
+    cache: Memo[jax.Array] = Memo()
+
+    @memox.cached("cache")
+    def out(self):
+        return self.x * 2.0
+
+
+def _one_device_mesh():
+    return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+
+
+def test_init_reallocates_a_slot_whose_value_is_resharded():
+    # Issue 31: `memox.init` kept a replicated table when the value became sharded, and
+    # a scan over the module then failed on its carry's type.
+    mesh = _one_device_mesh()
+    with jax.set_mesh(mesh):
+        replicated = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P()))
+        split = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+        _, module = memox.call(memox.init(_Doubled(replicated)), _Doubled.out)
+        module = memox.init(eqx.tree_at(lambda m: m.x, module, split), _Doubled.out)
+        assert jax.typeof(module.cache.value).sharding.spec == P(None, "x")
+
+        def step(module, _):
+            value, module = memox.call(module, _Doubled.out)
+            return module, value
+
+        module, values = jax.lax.scan(step, module, length=2)
+        assert type_of(values[0]) == type_of(split * 2.0)
+        np.testing.assert_array_equal(values, np.stack([np.arange(4.0) * 2] * 2))
+        assert int(module.cache.misses) == 2  # the resharded value: one miss in the loop
+
+
+@pytest.mark.parametrize("placement", ["eager", "memox.jit", "jax.jit"])
+def test_a_slot_filled_on_a_mesh_returns_an_unsharded_value_off_it(placement):
+    # Issue 31: called off the mesh, the miss returned the value with the table's
+    # sharding (`float32[4@x]`) where the method returns `float32[4]`.
+    mesh = _one_device_mesh()
+    with jax.set_mesh(mesh):
+        split = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+        _, module = memox.call(memox.init(_Doubled(split)), _Doubled.out)
+    module = eqx.tree_at(lambda m: m.x, module, jnp.arange(4.0) + 1)
+    value, module = call_in(placement, module, _Doubled.out)
+    expected = (jnp.arange(4.0) + 1) * 2.0
+    assert_same(value, expected)  # (replicated on the mesh, as JAX joins the two)
+    again, _ = call_in(placement, module, _Doubled.out)
+    assert_same(again, expected)
+    assert int(memox.stats(module)["cache"].misses) == 2
