@@ -3,7 +3,8 @@
 Inside a `memox.call` (a frame is current, `_context.py`), calling a cached method finds
 its slot in the frame, plans the call (`_plan.py`: dependencies, static key, the slot
 fitted to the value) and runs the memoised operation (`_memo.py`). Outside a frame it
-simply computes. Where a frame is current but cannot reach the slot (the method runs
+simply computes, and under a trace warns once per method (`memox.call` would have
+cached it). Where a frame is current but cannot reach the slot (the method runs
 inside a transformation opened inside `fn`, or on a module the call does not hold), it
 computes and warns: memox is never silently inert. So it does where no frame is current
 on its thread but a call running on another thread holds its slot (a worker thread or a
@@ -12,6 +13,7 @@ host callback started inside `fn`): a call's frame is live on its own thread onl
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import sys
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, TypeVar
 
 import equinox as eqx
 
-from . import _context, _errors, _ledger, _prehash
+from . import _context, _errors, _jax_internals, _ledger, _prehash
 from ._hoisted import Hoisted
 from ._memo import memoised
 from ._plan import Call, Method, latest
@@ -70,6 +72,8 @@ class CachedMethod(Generic[Owner, P, R]):
         self._spec: Method | None = None
         # A definition error that Python 3.11 would hide (see `__set_name__`).
         self.error: Exception | None = None
+        # The registry of the warning that it runs traced outside `memox.call`.
+        self._warned: dict[Any, Any] = {}
         params = list(inspect.signature(fn).parameters.values())[1:]
         required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.takes_arguments = any(
@@ -101,10 +105,20 @@ class CachedMethod(Generic[Owner, P, R]):
             _check_owner(owner, name, self.slot)
         except (TypeError, ValueError) as e:
             # Python 3.11 wraps an error raised here in a `RuntimeError` that hides the
-            # message; there it is raised at the method's first use instead.
+            # message; there it is raised as `ABCMeta` (an `eqx.Module`'s metaclass)
+            # finishes the class, below, or else at the method's first use.
             if sys.version_info >= (3, 12):
                 raise
             self.error = e
+
+    @property
+    def __isabstractmethod__(self) -> bool:
+        """Whether the method is abstract, as for `property`. `ABCMeta` asks every
+        attribute of a class it creates, right after `__set_name__`: on Python 3.11 a
+        definition error is raised here, unwrapped, as the class is created."""
+        if self.error is not None:
+            raise self.error
+        return getattr(self.fn, "__isabstractmethod__", False)
 
     @typing.overload
     def __get__(self, instance: None, owner: type | None = None) -> CachedMethod[Owner, P, R]: ...
@@ -144,11 +158,25 @@ class CachedMethod(Generic[Owner, P, R]):
             message = _errors.OTHER_THREAD.format(method=self.qualname, slot=self.slot)
             warnings.warn(message, _errors.UncachedWarning, stacklevel=2)
         else:
-            api = _wrapper()
-            if api is not None:  # under a memox wrapper, but no `memox.call`: say so
-                message = _errors.NO_CALL.format(method=self.qualname, api=api)
-                warnings.warn(message, _errors.UncachedWarning, stacklevel=2)
+            api = _tracing()
+            if api is not None:  # traced, but no `memox.call`: say so
+                self._warn_uncached(api)
         return self.fn(module, *args, **kwargs)
+
+    def _warn_uncached(self, api: str) -> None:
+        """Warn that this method runs under `api` outside any `memox.call`: once per
+        method (its own registry, the warning placed at its definition), by the standard
+        rules otherwise (a filter that shows every warning, or raises, applies here too,
+        and a change of filters shows it again)."""
+        code = getattr(self.fn, "__code__", None)
+        warnings.warn_explicit(
+            _errors.NO_CALL.format(method=self.qualname, api=api),
+            _errors.UncachedWarning,
+            filename="<memox>" if code is None else code.co_filename,
+            lineno=0 if code is None else code.co_firstlineno,
+            module=getattr(self.fn, "__module__", None),
+            registry=self._warned,
+        )
 
     def __repr__(self) -> str:
         return f"<memox.cached('{self.slot}') {self.qualname}>"
@@ -193,7 +221,9 @@ def cached(
     Inside `memox.call` or `memox.jit`, the method returns the slot's value when nothing
     it depends on has changed (the module's arrays it reads, the module's static fields,
     its own arguments) and computes and stores it otherwise. Outside them it simply
-    computes. Arguments the method takes are part of the cache key.
+    computes: eagerly without a word, and under a JAX transformation (`jax.jit`,
+    `jax.vmap`, `jax.grad`, ...) with a `memox.UncachedWarning`, once per method.
+    Arguments the method takes are part of the cache key.
 
     A host callback in the method (`jax.debug.callback`, `jax.debug.print`) runs only
     when it computes, yet costs every call of a compiled step, hits included: JAX
@@ -226,12 +256,16 @@ def cached(
     return CachedMethod(method, slot, policy)
 
 
-def _wrapper() -> str | None:
-    """The memox wrapper being traced right now outside any `memox.call`, if any."""
+def _tracing() -> str | None:
+    """What traces a cached method run outside any `memox.call`, in words: a memox
+    wrapper, else a JAX transformation. None where it runs eagerly: there it is an
+    ordinary method call, seen computing, and says nothing."""
     if _context.pins() is not None:
-        return "memox.scan"
+        return "`memox.scan`"
     if _prehash.tracing():
-        return "memox.filter_jit"
+        return "`memox.filter_jit`"
+    if _jax_internals.transforming():
+        return "a JAX transformation (`jax.jit`, `eqx.filter_jit`, `jax.vmap`, `jax.grad`, ...)"
     return None
 
 
@@ -244,17 +278,35 @@ def _check_owner(owner: type, name: str, slot: str) -> None:
     annotations: dict[str, Any] = {}
     for klass in reversed(owner.__mro__):
         annotations.update(annotations_of(klass))
-    if slot not in annotations:
-        raise ValueError(_errors.UNKNOWN_SLOT.format(**where))
-    default = next((k.__dict__[slot] for k in owner.__mro__ if slot in k.__dict__), None)
-    default = getattr(default, "default", default)  # a field made by `Memo.__set_name__`
-    annotation = annotations[slot]
-    if not (isinstance(default, Memo) or is_memo_annotation(annotation)):
+    slots = [field for field, a in annotations.items() if _declares_slot(owner, field, a)]
+    if slot not in slots:
+        others = _other_slots(slot, slots)
+        if slot not in annotations:
+            raise ValueError(_errors.UNKNOWN_SLOT.format(**where, **others))
+        annotation = annotations[slot]
         shown = getattr(annotation, "__qualname__", None) or str(annotation)
-        raise ValueError(_errors.NOT_A_MEMO_FIELD.format(annotation=shown, **where))
+        raise ValueError(_errors.NOT_A_MEMO_FIELD.format(annotation=shown, **where, **others))
     for other_name, other in cached_methods(owner, skip=name).items():
         if other.slot == slot:
             raise ValueError(_errors.SLOT_TAKEN.format(other=other_name, **where))
+
+
+def _declares_slot(owner: type, field: str, annotation: Any) -> bool:
+    """Whether `owner`'s field `field`, annotated `annotation`, is a `memox.Memo` slot."""
+    default = next((k.__dict__[field] for k in owner.__mro__ if field in k.__dict__), None)
+    default = getattr(default, "default", default)  # a field made by `Memo.__set_name__`
+    return isinstance(default, Memo) or is_memo_annotation(annotation)
+
+
+def _other_slots(slot: str, slots: list[str]) -> dict[str, str]:
+    """The parts of a message that list a class's slots, the closest to `slot` first."""
+    if not slots:
+        return dict(known="", other="")
+    hints = _errors.SLOT_HINTS
+    closest = difflib.get_close_matches(slot, slots, n=1)
+    known = hints["closest"].format(closest=closest[0]) if closest else ""
+    known += hints["known"].format(fields=", ".join(f"`{s}`" for s in slots))
+    return dict(known=known, other=hints["other"])
 
 
 def _is_nnx(cls: type) -> bool:

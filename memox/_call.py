@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 from . import _context, _errors, _jax_internals, _ledger
 from ._cached import method_for
 from ._context import separated
+from ._hoisted import Hoisted
 from ._jax_internals import is_concrete_array
 from ._plan import plan_without_arguments
 from ._sites import Path, SlotSite, path_name, replace_slots, slot_sites
@@ -53,6 +54,24 @@ def check_module(api: str, module: Any, args: tuple = (), kwargs: dict | None = 
             where = f"; {where} holds the slots" if where else ""
             raise TypeError(_errors.FIRST_ARGUMENT.format(got=got, where=where))
         raise TypeError(_errors.NOT_A_PYTREE.format(api=api, got=got))
+
+
+def check_slots(
+    api: str, module: Any, sites: list[SlotSite], args: tuple = (), kwargs: dict | None = None
+) -> None:
+    """Raise where `module` (whose slot sites are `sites`) holds no slot: nothing to
+    cache, allocate or count. A later argument holding slots is named (the arguments are
+    in the wrong order). A view of a module by `memox.hoist` holds its values in place
+    of its slots: a call on it reads them."""
+    if sites or any(map(_hoisted, jtu.tree_leaves(module, is_leaf=_hoisted))):
+        return
+    check_slots_first(api, args, kwargs or {})
+    what = _errors.NO_SLOTS_MEANS[api]
+    raise TypeError(_errors.NO_SLOTS.format(api=api, got=type(module).__name__, what=what))
+
+
+def _hoisted(x: Any) -> bool:
+    return isinstance(x, Hoisted)
 
 
 def check_slots_first(api: str, args: tuple, kwargs: dict) -> None:
@@ -132,7 +151,7 @@ def call(
     """
     check_fn("call", fn)
     check_module("call", module)
-    result, module, frame = run(module, fn, args, kwargs)
+    result, module, frame = run(module, fn, args, kwargs, api="call")
     return result, replace_slots(module, changed_slots(module, frame))
 
 
@@ -143,15 +162,17 @@ def run(
     kwargs: dict[str, Any],
     *,
     discover: bool = False,
+    api: str | None = None,
 ) -> tuple[R, M, _context.Frame]:
     """`fn(module, ...)` in a frame over `module`: its result, the module it ran on
     (slots revived, allocated and separated) and the frame. The call's ledger is
     settled when `fn` returns (`_ledger.py`): what did not reach the caller is reported.
-    With `discover`, cached methods only allocate their slots (for `memox.init`)."""
+    With `discover`, cached methods only allocate their slots (for `memox.init`). With
+    `api`, the public function running it, a module holding no slot is refused."""
     # One walk of the module; each step below walks it again only if it changed it.
     sites = list(slot_sites(module))
-    if not sites:
-        check_slots_first("call", args, kwargs)
+    if api is not None:
+        check_slots(api, module, sites, args, kwargs)
     if not discover:
         warn_if_closed_over(module, sites)
     module, sites = separated(*_allocated_plain(*_revived(module, sites)))

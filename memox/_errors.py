@@ -6,15 +6,22 @@ SLOT_NAME_NOT_STR = (
 )
 
 UNKNOWN_SLOT = (
-    "`memox.cached('{slot}')` on `{cls}.{name}`: `{cls}` has no field `{slot}`. "
-    "Declare it as `{slot}: memox.Memo[...] = memox.Memo()`."
+    "`memox.cached('{slot}')` on `{cls}.{name}`: `{cls}` has no field `{slot}`. {known}"
+    "Declare it as `{slot}: memox.Memo[...] = memox.Memo()`{other}."
 )
 
 NOT_A_MEMO_FIELD = (
     "`memox.cached('{slot}')` on `{cls}.{name}`: field `{slot}` is declared as "
-    "`{annotation}`, not as a `memox.Memo`. Declare it as "
-    "`{slot}: memox.Memo[...] = memox.Memo()`."
+    "`{annotation}`, not as a `memox.Memo`. {known}Declare it as "
+    "`{slot}: memox.Memo[...] = memox.Memo()`{other}."
 )
+
+# The parts of `UNKNOWN_SLOT` and `NOT_A_MEMO_FIELD` that name the class's slots.
+SLOT_HINTS = {
+    "closest": "Did you mean `{closest}`? ",
+    "known": "Its `memox.Memo` fields: {fields}. ",
+    "other": ", or pass one of those to `memox.cached`",
+}
 
 SLOT_TAKEN = (
     "`memox.cached('{slot}')` on `{cls}.{name}`: slot `{slot}` is already bound to "
@@ -55,6 +62,20 @@ SLOTS_IN_A_LATER_ARGUMENT = (
     "first: `memox.call(model, fn, *args)`; for `step = memox.jit(fn)`, "
     "`step(model, *args)` with `fn(model, *args)`."
 )
+
+NO_SLOTS = (
+    "`memox.{api}`: `module` holds no `memox.Memo` slot (got a `{got}`), so {what}. Pass "
+    "the module whose cached methods you call, or a pytree holding it, as `module`. "
+    "Its class declares a slot for each cached method: "
+    '`b_cache: memox.Memo[...] = memox.Memo()`, bound by `@memox.cached("b_cache")`.'
+)
+
+# What a module holding no slot means, for each function refusing it.
+NO_SLOTS_MEANS = {
+    "call": "nothing `fn` computes can be cached",
+    "init": "there is nothing to allocate",
+    "stats": "there is nothing to count",
+}
 
 NOT_A_PYTREE = (
     "`memox.{api}`: `module` must be a pytree holding `memox.Memo` slots, typically an "
@@ -221,9 +242,12 @@ BATCHED_PREDICATE = (
 )
 
 NO_CALL = (
-    "`{method}` ran inside `{api}` but outside `memox.call`, so it computes at every "
+    "`{method}` ran inside {api} but outside `memox.call`, so it computes at every "
     "evaluation and caches nothing. Call it through `memox.call(module, fn)` inside the "
-    "compiled function and return the new module, or compile with `memox.jit(fn)`."
+    "traced function and pass the new module on, or compile with `memox.jit(fn)` or "
+    "`memox.filter_jit(fn)` where `fn` makes that call. If computing every time is what "
+    "you want, silence this warning (given once per method) with "
+    '`warnings.filterwarnings("ignore", category=memox.UncachedWarning)`.'
 )
 
 DELETED_SLOTS = (
@@ -236,8 +260,21 @@ DELETED_SLOTS = (
 
 
 class UncachedWarning(UserWarning):
-    """A cached method ran inside `memox.call` where memox cannot reach its slot: it
-    computed without caching. The message says what to change."""
+    """A cached method computed without caching: inside `memox.call` where memox cannot
+    reach its slot, or under a JAX transformation (`jax.jit`, `jax.vmap`, `jax.grad`,
+    ...) outside any `memox.call`. The message says what to change. An eager call
+    outside `memox.call` computes without a warning.
+
+    !!! Example
+
+        ```python
+        import warnings
+
+        with warnings.catch_warnings():  # or for the whole program: no `with`
+            warnings.filterwarnings("ignore", category=memox.UncachedWarning)
+            b = jax.jit(Foo.b)(foo)  # under `jax.jit`, outside `memox.call`: computes
+        ```
+    """
 
 
 NOT_CANONICAL = (

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._cached import method_for
-from ._call import check_module
+from ._call import check_module, check_slots
 from ._plan import plan_without_arguments
 from ._sites import SlotSite, path_name, slot_sites
 
@@ -124,8 +124,10 @@ def stats(module: PyTree) -> dict[str, SlotStats]:
         ```
     """
     check_module("stats", module)
+    sites = list(slot_sites(module))
+    check_slots("stats", module, sites)
     out = {}
-    for site in slot_sites(module):
+    for site in sites:
         slot = site.slot
         counts = (0, 0) if not slot.allocated else (slot.hits, slot.misses)
         count = _flops(site)

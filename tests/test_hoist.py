@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 import numpy as np
 import pytest
-from helpers import Counter
+from helpers import Counter, reference
 
 import memox
 from memox import Memo
@@ -286,6 +286,7 @@ DIFFERENTIATE = {
 }
 
 
+@reference()
 def _unmemoized(how, where, model, counter):
     """The derivative with `weight` computed at every read (no slot is reached)."""
     plain = Field(model.w, counter)
@@ -395,7 +396,8 @@ def test_diffrax_gradients_inside_fn_are_exact(adjoint, hoisted):
 
     # diffrax 0.7.2 trips JAX's leak checker (see above).
     with jax.check_tracer_leaks(False):
-        want = eqx.filter_grad(loss)(Field(_model(counter).w, counter)).w
+        with reference():
+            want = eqx.filter_grad(loss)(Field(_model(counter).w, counter)).w
         jax.effects_barrier()
         unmemoized, counter.n = counter.n, 0
         got, model = memox.call(_model(counter), fn)

@@ -25,6 +25,7 @@ PUBLIC = [
     "SlotStats",
     "flops",
     "FlopCount",
+    "UncachedWarning",
 ]
 
 
