@@ -12,6 +12,9 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
+import pathlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +24,20 @@ import numpy as np
 from jax import monitoring
 
 import memox
+
+
+# jaxlib's CPU LAPACK kernels (eigh, cholesky, lu) run on scipy's OpenBLAS, loaded at
+# the first such call. Left to its default thread count it competes with XLA's own
+# thread pool: on a 2-core machine the same eigh then varies by orders of magnitude from
+# one process to the next. One OpenBLAS thread is both stable and faster (README.md,
+# "Environment"). A value set by the caller wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# The repository (`examples`, which s1-s3 time) and tests/ (s9's stiff problems,
+# `tests/stiff_problems.py`) importable, for a scenario run as a script too; appended,
+# so that nothing there shadows an installed module.
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path += [str(_REPO), str(_REPO / "tests")]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,11 +6,11 @@ import json
 import math
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import matplotlib
-
-from ._common import Goal, goal_key
+from _common import Goal, goal_key
 
 
 matplotlib.use("Agg")
@@ -91,183 +91,33 @@ def goal_cell(goal: Goal | None, value: Any) -> str:
 _S12_REF = "eqx.filter_jit, unmemoized"
 
 
-def headline(results: dict, goals: dict[str, dict[str, Goal]]) -> list[dict]:
-    """The few ratios worth a glance, each with its goal where its scenario declares one
-    (`goals`: each scenario's `GOALS`, by scenario key)."""
+def headline(results: dict, scenarios: dict[str, ModuleType]) -> list[dict]:
+    """The few ratios worth a glance, each with its goal where its scenario declares one.
+    `scenarios`: the scenario modules by key; each names its rows (`headline(result)`)
+    and their goals (`GOALS`)."""
     rows = []
-    used: set[tuple[str, str]] = set()
-    key = ""  # the scenario whose rows are being added
-
-    def add(scenario, measure, value):
-        declared = goals.get(key, {})
-        found = goal_key(declared, measure)
-        goal = None if found is None else declared[found]
-        used.add((key, found))
-        rows.append(
-            {
-                "scenario": scenario,
-                "measure": measure,
-                "value": value,
-                "goal": goal_cell(goal, value),
-            }
-        )
-
-    if "s1" in results:
-        key = "s1"
-        m = results["s1"]["metrics"]
-        for v in ("memox Exact", "memox Manual", "memox.jit step"):
-            add("1 frozen eigh", f"FLOPs saved / bound, {v}", m["saved_over_bound"][v])
-        for v in ("memox Exact", "memox Manual", "memox.jit step", "hand-written, model step"):
-            add("1 frozen eigh", f"loop wall / hand-written, {v}", m["loop_wall_over_hand"][v])
-        add(
-            "1 frozen eigh",
-            "loop wall memox Manual / hand-written, model step",
-            m["loop_wall_over_hand"]["memox Manual"]
-            / m["loop_wall_over_hand"]["hand-written, model step"],
-        )
-        add(
-            "1 frozen eigh",
-            "FLOP-count cross-check: naive loop / plain eigh [GFLOP/s]",
-            f"{m['naive_loop_gflops']:.1f} / {m['plain_eigh_gflops']:.1f}",
-        )
-        add(
-            "1 frozen eigh",
-            "loop wall naive / memox Exact",
-            m["loop_wall_over_hand"]["naive"] / m["loop_wall_over_hand"]["memox Exact"],
-        )
-        scan = m["scan_loop_s"]
-        add(
-            "1 frozen eigh",
-            "one-scan loop: naive (XLA hoists) / hand-written",
-            scan["scan: naive"] / scan["scan: hand-written"],
-        )
-        add(
-            "1 frozen eigh",
-            "one-scan loop: memox Exact / hand-written",
-            scan["scan: memox Exact"] / scan["scan: hand-written"],
-        )
-    if "s2" in results:
-        key = "s2"
-        m = results["s2"]["metrics"]
-        for v in ("memox.jit", "filter_jit + memox.call", "recompute"):
-            add("2 GP serving", f"call / hand-written, {v}", m["call_over_hand"][v])
-        add(
-            "2 GP serving",
-            "FLOP-count cross-check: recompute / plain Cholesky [GFLOP/s]",
-            f"{m['recompute_gflops']:.1f} / {m['plain_cholesky_gflops']:.1f}",
-        )
-    if "s3" in results:
-        key = "s3"
-        m = results["s3"]["metrics"]
-        f = m["factorisations"]
-        add(
-            "3 stiff ODE",
-            "LU factorisations memox / hand-written / full Newton",
-            f"{f['memox']} / {f['hand-written']} / {f['refactorise always']}",
-        )
-        add("3 stiff ODE", "run memox / hand-written", m["run_over_hand"]["memox"])
-    if "s4" in results:
-        key = "s4"
-        for r in results["s4"]["rows"]:
-            if r["variant"].startswith("memox"):
-                k = r["variant"].split("k=")[1]
-                add(
-                    "4 change every k",
-                    f"k={k}: factorisations (ceil(T/k))",
-                    f"{r['factorisations']} ({r['ceil(T/k)']})",
-                )
-                add("4 change every k", f"k={k}: FLOPs memox / hand-written", r["FLOPs / hand"])
-                add("4 change every k", f"k={k}: wall memox / hand-written", r["wall / hand"])
-                add("4 change every k", f"k={k}: wall memox / naive", r["wall / naive"])
-    if "s5" in results:
-        key = "s5"
-        for model, d in results["s5"]["metrics"]["median_call_us"].items():
-            for v in (
-                "memox.jit",
-                "hand-written",
-                "filter_jit + memox.call",
-                "nnx.jit graph mode, nnx.Cache",
-                "nnx.jit tree mode, nnx.Cache",
-            ):
-                add("5 dispatch", f"{model}: {v} [us/call]", d[v])
-    if "s6" in results and results["s6"]:
-        key = "s6"
-        for pair, r in results["s6"]["metrics"]["ratios"].items():
-            add("6 compile", f"first call {pair}", r["first call"])
-    if "s7" in results:
-        key = "s7"
-        for slot, b in results["s7"]["metrics"]["slot_overhead_bytes"].items():
-            if slot.startswith(("s1 Exact", "s3 NewtonMatrix.lu", "Table")):
-                add("7 memory", f"slot overhead [B], {slot}", b)
-    if "s8" in results:
-        key = "s8"
-        m = results["s8"]["metrics"]
-        for variant, r in m["temp_over_unmemoized"].items():
-            if variant.startswith("memox"):
-                add("8 grad through scan", f"temp memory / unmemoized, {variant}", r)
-        for variant, r in m["wall_over_hand"].items():
-            if variant.startswith("memox"):
-                add("8 grad through scan", f"grad wall / hand-written, {variant}", r)
-    if "s10" in results:
-        key = "s10"
-        m, s10 = results["s10"]["metrics"], "10 frozen-backbone fine-tune"
-        for v, r in m["median_step_over_hand"].items():
-            if v not in ("hand-hoisted", "naive"):
-                add(s10, f"median step / hand-hoisted, {v}", r)
-        for array, r in m["fingerprint_over_float_sum"].items():
-            add(s10, f"fingerprint / float sum, {array}", r)
-    if results.get("s11"):
-        key = "s11"
-        for label, m in results["s11"]["metrics"].items():
-            s11 = f"11 neural ODE, {label}"
-            e = m["expm_per_solve"]
-            add(
-                s11,
-                "expm per solve: naive / hand-hoisted / memox.call / memox.jit",
-                " / ".join(str(e[v]) for v in e),
+    for key, module in scenarios.items():
+        result = results.get(key)
+        if not result or not hasattr(module, "headline"):
+            continue
+        declared: dict[str, Goal] = getattr(module, "GOALS", {})
+        used = set()
+        for scenario, measure, value in module.headline(result):
+            found = goal_key(declared, measure)
+            used.add(found)
+            goal = None if found is None else declared[found]
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "measure": measure,
+                    "value": value,
+                    "goal": goal_cell(goal, value),
+                }
             )
-            for v, r in m["step_over_hand"].items():
-                add(s11, f"step / hand-hoisted, {v}", r)
-    if results.get("s12"):
-        key = "s12"
-        sweeps = results["s12"]["metrics"]["sweeps"]
-        for sweep in ("leaves", "slots"):
-            n = max(sweeps[sweep], key=int)
-            m = sweeps[sweep][n]
-            where = f"most {sweep} ({n})"
-            calls = m["per_call_us"]
-            for v in ("memox.jit", "memox.filter_jit + memox.call", "eqx.filter_jit + memox.call"):
-                add("12 scaling", f"{v} / eqx.filter_jit, {where}", calls[v] / calls[_S12_REF])
-            first = m["first_call_s"]
-            add(
-                "12 scaling",
-                f"first call memox.jit / eqx.filter_jit, {where}",
-                first["memox.jit"] / first[_S12_REF],
-            )
-            if sweep == "leaves":
-                e = m["eager_us"]
-                direct = e["eager direct call"]
-                add(
-                    "12 scaling",
-                    f"eager hit / (2 x direct call + 100 us), {where}",
-                    e["eager memox.call hit"] / (2 * direct + 100),
-                )
-        by_mb = sweeps.get("value")
-        if by_mb:  # (records before 2026-11-28 have no value sweep; its eager hit since)
-            largest, smallest = by_mb[max(by_mb, key=int)], by_mb[min(by_mb, key=int)]
-            calls = largest["per_call_us"]
-            for v in ("memox.jit", "memox.filter_jit + memox.call", "eqx.filter_jit + memox.call"):
-                add(
-                    "12 scaling",
-                    f"{v} / hand-hoisted, largest value",
-                    calls[v] / calls["hand-hoisted"],
-                )
-            eager = largest["eager_hit_us"] / smallest["eager_hit_us"]
-            add("12 scaling", "eager hit, largest / smallest value", eager)
-    # A declared goal that no row matches has lost its measure (a renamed variant).
-    lost = [(k, m) for k, d in goals.items() if results.get(k) for m in d if (k, m) not in used]
-    if lost:
-        raise ValueError(f"goals that match no headline measure: {lost}")
+        # A declared goal that no row matches has lost its measure (a renamed variant).
+        lost = set(declared) - used
+        if lost:
+            raise ValueError(f"{key}'s goals that match no headline measure: {sorted(lost)}")
     return rows
 
 
@@ -545,11 +395,12 @@ def write(record: dict, out_dir: Path, stem_name: str) -> list[str]:
     return [f"{stem}.json", f"{stem}.md", *plots]
 
 
-def render(path: Path, goals: dict[str, dict[str, Goal]]) -> list[str]:
+def render(path: Path, scenarios: dict[str, ModuleType]) -> list[str]:
     """Rewrite a recorded run's headline (in its JSON record) and its Markdown report
-    from the record, with `goals`; the measurements and the plots are left as they are."""
+    from the record, with the `scenarios`' current rows and goals; the measurements and
+    the plots are left as they are."""
     record = json.loads(path.read_text())
-    record["headline"] = headline(record["scenarios"], goals)
+    record["headline"] = headline(record["scenarios"], scenarios)
     path.write_text(json.dumps(record, indent=1, default=_default))
     report = path.with_suffix(".md")
     report.write_text(markdown(record, record.get("plots", [])))

@@ -1,9 +1,11 @@
-"""Run memox's benchmarks: `python -m benchmarks [--quick | --gpu] [--only s1,s4] [--out DIR]`.
+"""Run memox's benchmarks: `python -m benchmarks [--quick | --gpu] [--only s1,s4] [--out DIR]`,
+or one scenario as a script: `python benchmarks/s1_frozen_training.py [--quick | --gpu]`.
 
 Writes `<date>-<device>.json`, `.md` and `-*.png` to `benchmarks/results/` (full mode)
 or `benchmarks/results/quick/` (`--quick`; git-ignored, for CI's smoke run).
 `--render RECORD.json` runs nothing: it rewrites a recorded run's headline and Markdown
-report from its JSON record, with the scenarios' current goals (`GOALS`).
+report from its JSON record, with the scenarios' current metrics and goals (each
+scenario's `headline` and `GOALS`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+import _report
 import jax
-
-from . import _report
-from ._common import matmul_peak, progress
+from _common import matmul_peak, progress
 
 
 SCENARIOS = {
@@ -93,9 +94,12 @@ def environment(argv: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, script: str | None = None) -> None:
+    """Run the benchmarks `argv` asks for; with `script`, a scenario's file, that one
+    scenario (and those it needs: s6 reads s1-s3's runs)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    prog = f"python {os.path.relpath(script)}" if script else "python -m benchmarks"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument(
         "--gpu",
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         "others their full sizes); chosen without the flag when JAX's default backend is "
         "a GPU",
     )
-    parser.add_argument("--only", default="", help="comma-separated scenarios, e.g. s1,s4")
+    if script is None:
+        parser.add_argument("--only", default="", help="comma-separated scenarios, e.g. s1,s4")
     parser.add_argument("--out", default=None, help="output directory")
     parser.add_argument(
         "--render",
@@ -114,17 +119,19 @@ def main(argv: list[str] | None = None) -> None:
         "JSON record, with the scenarios' current goals",
     )
     args = parser.parse_args(argv)
-    modules = {
-        key: importlib.import_module(f".{name}", __package__) for key, name in SCENARIOS.items()
-    }
-    goals = {key: getattr(mod, "GOALS", {}) for key, mod in modules.items()}
+    modules = {key: importlib.import_module(name) for key, name in SCENARIOS.items()}
     if args.render:
-        files = _report.render(Path(args.render), goals)
+        files = _report.render(Path(args.render), modules)
         progress(f"rewrote {', '.join(files)}")
         return
     gpu = args.gpu or jax.default_backend() == "gpu"
     mode = "quick" if args.quick else "gpu" if gpu else "full"
-    chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
+    if script is None:
+        chosen = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
+    else:
+        (key,) = [k for k, name in SCENARIOS.items() if name == Path(script).stem]
+        chosen = [*getattr(modules[key], "NEEDS", ()), key]
+        argv = [*argv, "--only", ",".join(chosen)]  # the run, as the record states it
     unknown = set(chosen) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {list(SCENARIOS)}")
@@ -163,14 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": sizes,
         "scenarios": results,
     }
-    record["headline"] = _report.headline(results, goals)
+    record["headline"] = _report.headline(results, modules)
     stem = f"{record['date']}-{env['device']}"
-    if args.only:  # a partial run never overwrites a complete one
+    if chosen != list(SCENARIOS):  # a partial run never overwrites a complete one
         stem += "-only-" + "-".join(chosen)
     files = _report.write(record, out_dir, stem)
     print(_report.table(record["headline"]))
     progress(f"done in {record['runtime_s']:.1f} s; wrote {', '.join(files)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -28,12 +28,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _common import median
 from jax import lax
+from s5_dispatch import SIZES, Cached, Plain
 
 import memox
-
-from ._common import median
-from .s5_dispatch import SIZES, Cached, Plain
 
 
 class Counted(Cached):

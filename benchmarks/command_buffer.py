@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._common import progress
+from _common import progress
 
 
 FLAG = "--xla_gpu_enable_command_buffer=+CONDITIONAL"

@@ -26,10 +26,10 @@ step through diffrax's adjoint takes ~5 s to compile here).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import Goal, TraceCounter, interleaved, median, programs, progress
+from _common import Goal, TraceCounter, interleaved, median, programs, progress
 
 
 try:
@@ -248,3 +248,24 @@ def run(size: dict) -> dict | None:
             "grows over the adam steps); every step traced once.",
         ],
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    for label, m in result["metrics"].items():
+        s11 = f"11 neural ODE, {label}"
+        e = m["expm_per_solve"]
+        yield (
+            s11,
+            "expm per solve: naive / hand-hoisted / memox.call / memox.jit",
+            " / ".join(str(e[v]) for v in e),
+        )
+        for v, r in m["step_over_hand"].items():
+            yield (s11, f"step / hand-hoisted, {v}", r)
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

@@ -21,14 +21,13 @@ Variants (per-call latency, interleaved call by call):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-
-import memox
-from examples.gp_fit_and_serve import GP, make_gp, posterior
-
-from ._common import (
+from _common import (
     TraceCounter,
     compile_row,
     first_call,
@@ -41,6 +40,9 @@ from ._common import (
     rate,
     timed,
 )
+
+import memox
+from examples.gp_fit_and_serve import GP, make_gp, posterior
 
 
 SIZES = {
@@ -190,3 +192,22 @@ def run(size: dict) -> dict:
         "early_calls_s": early_calls,
         "series": {"call_seconds": {m: [float(t) for t in ts] for m, ts in times.items()}},
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    m = result["metrics"]
+    for v in ("memox.jit", "filter_jit + memox.call", "recompute"):
+        yield ("2 GP serving", f"call / hand-written, {v}", m["call_over_hand"][v])
+    yield (
+        "2 GP serving",
+        "FLOP-count cross-check: recompute / plain Cholesky [GFLOP/s]",
+        f"{m['recompute_gflops']:.1f} / {m['plain_cholesky_gflops']:.1f}",
+    )
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

@@ -27,10 +27,23 @@ FLOPs of one iteration (all from jaxprs; memox's counts from `memox.stats`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import (
+    TraceCounter,
+    compile_row,
+    first_call,
+    flops_of,
+    interleaved,
+    median,
+    progress,
+    rate,
+)
 from jax import lax
 from jax.scipy.linalg import lu_factor
 from jaxtyping import Array
@@ -49,17 +62,6 @@ from examples.stiff_ode_jacobian_reuse import (
     newton_iteration,
     newton_lu,
     reuse_step,
-)
-
-from ._common import (
-    TraceCounter,
-    compile_row,
-    first_call,
-    flops_of,
-    interleaved,
-    median,
-    progress,
-    rate,
 )
 
 
@@ -255,3 +257,22 @@ def _run(size: dict) -> dict:
         ],
         "compile": compile_rows,
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    m = result["metrics"]
+    f = m["factorisations"]
+    yield (
+        "3 stiff ODE",
+        "LU factorisations memox / hand-written / full Newton",
+        f"{f['memox']} / {f['hand-written']} / {f['refactorise always']}",
+    )
+    yield ("3 stiff ODE", "run memox / hand-written", m["run_over_hand"]["memox"])
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

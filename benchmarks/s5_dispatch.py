@@ -22,16 +22,18 @@ also depends on (`W0 / (|W0| (1 + mean(big)))`). Variants:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _common import flops_of, interleaved, median, progress, timed
 from flax import nnx
 from jaxtyping import Array
 
 import memox
 from memox import Memo
-
-from ._common import flops_of, interleaved, median, progress, timed
 
 
 SIZES = {
@@ -196,3 +198,23 @@ def run(size: dict) -> dict:
             "the weights it was computed from changed.",
         ],
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    for model, d in result["metrics"]["median_call_us"].items():
+        for v in (
+            "memox.jit",
+            "hand-written",
+            "filter_jit + memox.call",
+            "nnx.jit graph mode, nnx.Cache",
+            "nnx.jit tree mode, nnx.Cache",
+        ):
+            yield ("5 dispatch", f"{model}: {v} [us/call]", d[v])
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

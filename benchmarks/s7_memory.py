@@ -8,20 +8,20 @@ the dependencies, per entry), `hits`, `misses`. Everything but `value` is overhe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import s1_frozen_training as s1
+import s2_gp_serving as s2
+import s3_stiff_jacobian as s3
+import s4_changing_dependency as s4
+from _common import progress, slot_bytes
 
 import memox
 from memox import Memo
-
-from . import (
-    s1_frozen_training as s1,
-    s2_gp_serving as s2,
-    s3_stiff_jacobian as s3,
-    s4_changing_dependency as s4,
-)
-from ._common import progress, slot_bytes
 
 
 class Table(eqx.Module):
@@ -115,3 +115,17 @@ def run(sizes: dict) -> dict:
             "memox.jit's step is not listed: its compiled function is internal to memox.",
         ],
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    for slot, b in result["metrics"]["slot_overhead_bytes"].items():
+        if slot.startswith(("s1 Exact", "s3 NewtonMatrix.lu", "Table")):
+            yield ("7 memory", f"slot overhead [B], {slot}", b)
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

@@ -19,17 +19,19 @@ variants the factorisations counted by the slot.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+from _common import Goal, interleaved, median, progress
 from jax import lax
 
 import memox
 from memox import Memo
-
-from ._common import Goal, interleaved, median, progress
 
 
 SIZES = {
@@ -156,3 +158,21 @@ def run(size: dict) -> dict:
             "program; XLA:CPU may hoist them.",
         ],
     }
+
+
+def headline(result: dict) -> Iterator[tuple[str, str, Any]]:
+    """This scenario's rows of the report's headline: (scenario, measure, value). `GOALS`
+    name the measures they apply to."""
+    m = result["metrics"]
+    for variant, r in m["temp_over_unmemoized"].items():
+        if variant.startswith("memox"):
+            yield ("8 grad through scan", f"temp memory / unmemoized, {variant}", r)
+    for variant, r in m["wall_over_hand"].items():
+        if variant.startswith("memox"):
+            yield ("8 grad through scan", f"grad wall / hand-written, {variant}", r)
+
+
+if __name__ == "__main__":
+    import _runner
+
+    _runner.main(script=__file__)

@@ -52,8 +52,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ._common import TraceCounter, interleaved, median, progress, timed as timed_call
+from _common import TraceCounter, interleaved, median, progress, timed as timed_call
 
 
 try:
@@ -380,7 +379,7 @@ def _run(size: dict) -> dict:
 def scipy_forms(n: int = 32, t1: float = 0.5, rounds: int = 3) -> list[dict]:
     """scipy BDF with the dense Jacobian and with `jac_sparsity`, and memox reuse, on the
     full-size Brusselator only (interleaved, `rounds` each): a bounded run for the
-    `jac_sparsity` comparison, `python -m benchmarks.s9_diffrax --scipy-forms` (4 min on
+    `jac_sparsity` comparison, `python benchmarks/s9_diffrax.py --scipy-forms` (4 min on
     the loaded 2-core machine: the Radau reference, then ~25 s per round)."""
     with jax.enable_x64(True):
         vf, y0 = brusselator(n)
@@ -425,8 +424,11 @@ def scipy_forms(n: int = 32, t1: float = 0.5, rounds: int = 3) -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--scipy-forms"]:
-        sys.exit("usage: python -m benchmarks.s9_diffrax --scipy-forms (all: --only s9)")
-    if diffrax is None:
-        sys.exit(f"s9 needs diffrax: {_MISSING}")
-    scipy_forms()
+    if sys.argv[1:] == ["--scipy-forms"]:  # SciPy's BDF in each form, alone
+        if diffrax is None:
+            sys.exit(f"s9 needs diffrax: {_MISSING}")
+        scipy_forms()
+    else:
+        import _runner
+
+        _runner.main(script=__file__)
