@@ -34,6 +34,7 @@ def colour(name: str) -> str:
         ("recompute", "tab:red"),
         ("refactorise", "tab:red"),
         ("filter_jit, unmemoized", "tab:red"),
+        ("unmemoized", "tab:red"),
         ("hand-written, model step", "tab:olive"),
         ("hand-written, blocked", "tab:olive"),
         ("scan: hand", "tab:green"),
@@ -372,6 +373,18 @@ def _wall_panels(sc: dict) -> list[tuple[str, str, dict]]:
                     {r["variant"]: r["median step [ms]"] for r in rows},
                 )
             )
+    if sc.get("s13"):
+        panels.append(
+            (
+                "s13 scan over layers, training step",
+                "ms",
+                {
+                    f"{r['variant']} [{r['layers']} layers]": r["median step [ms]"]
+                    for r in sc["s13"]["rows"]
+                    if "median step [ms]" in r
+                },
+            )
+        )
     return panels
 
 

@@ -40,6 +40,7 @@ SCENARIOS = {
     "s10": "s10_finetune",
     "s11": "s11_neural_ode",
     "s12": "s12_scaling",
+    "s13": "s13_scan_layers",
 }
 HERE = Path(__file__).resolve().parent
 
