@@ -58,19 +58,14 @@ def environment(argv: list[str]) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
+    def git(*args: str) -> str:
+        run = subprocess.run(
+            ["git", "-C", str(HERE.parent), *args], capture_output=True, text=True, check=True
+        )
+        return run.stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(HERE.parent), "status", "--porcelain", "memox"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "memox")
         commit += " + uncommitted changes in memox/" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"

@@ -93,9 +93,10 @@ def _holding_slots(args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def allocate_plain_slots(module: M) -> M:
-    """`module` with every empty slot whose method takes no arguments allocated."""
-    return _allocated_plain(module, list(slot_sites(module)))[0]
+def allocate_plain_slots(module: M, sites: list[SlotSite] | None = None) -> M:
+    """`module` with every empty slot whose method takes no arguments allocated (given
+    its slot sites, where the caller has walked it already)."""
+    return _allocated_plain(module, list(slot_sites(module)) if sites is None else sites)[0]
 
 
 def _allocated_plain(module: M, sites: list[SlotSite]) -> tuple[M, list[SlotSite]]:

@@ -66,8 +66,9 @@ def init(module: M, fn: Callable[..., Any] | None = None, /, *args: Any, **kwarg
         ```
     """
     check_module("init", module)
-    check_slots("init", module, list(slot_sites(module)), args, kwargs)
-    module = allocate_plain_slots(module)
+    sites = list(slot_sites(module))
+    check_slots("init", module, sites, args, kwargs)
+    module = allocate_plain_slots(module, sites)
     if fn is None:
         return module
     check_fn("init", fn)
