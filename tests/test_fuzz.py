@@ -74,7 +74,7 @@ from fuzz_parts import (
     sharded,
     use_part,
 )
-from helpers import run_threads
+from helpers import reference, run_threads
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax import lax
 
@@ -285,8 +285,10 @@ ARGS = st.integers(0, len(PARTS) - 1)  # the argument: `XS[i % 3]` for `c`, `PAR
 
 
 def _plain(model, name, args):
-    """The unmemoized value: a cached method called outside `memox.call` computes."""
-    return getattr(model, name)(*args)
+    """The unmemoized value: a cached method called outside `memox.call` computes (under
+    a trace, with the `UncachedWarning` that says so: expected here)."""
+    with reference():
+        return getattr(model, name)(*args)
 
 
 def _args(name, arg):
