@@ -41,7 +41,7 @@ def test_every_cache_stays_within_its_bound(monkeypatch):
     memox.clear_caches()
     step = memox.jit(lambda m: m.f())
     counter = Counter()
-    for i in range(40):
+    for i in range(20):  # (more than twice each bound)
         kind, model = _fresh_model(i, counter)
         value, model = memox.call(model, kind.f)
         value2, model = step(model)

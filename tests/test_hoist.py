@@ -297,9 +297,22 @@ def _unmemoized(how, where, model, counter):
     return DIFFERENTIATE[how](lambda f: _loss(f, where), plain)
 
 
-@pytest.mark.parametrize("placement", ["call", "jit"])
-@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
-@pytest.mark.parametrize("how", list(DIFFERENTIATE))
+WHERE = ["eager", "filter_jit", "loop"]
+PLACEMENTS = ["call", "jit"]
+
+
+def _pairwise() -> list:
+    """Every (how, where, placement): by default a set holding each pair of them (each
+    (how, where) once, its placement alternating), the rest under `-m heavy`."""
+    return [
+        pytest.param(how, where, placement, marks=() if (i + j) % 2 == k else pytest.mark.heavy)
+        for i, how in enumerate(DIFFERENTIATE)
+        for j, where in enumerate(WHERE)
+        for k, placement in enumerate(PLACEMENTS)
+    ]
+
+
+@pytest.mark.parametrize(("how", "where", "placement"), _pairwise())
 def test_gradients_inside_fn_with_respect_to_the_hoisted_view_are_exact(how, where, placement):
     counter = Counter()
     model = _model(counter)
@@ -322,7 +335,7 @@ def test_gradients_inside_fn_with_respect_to_the_hoisted_view_are_exact(how, whe
     assert memox.stats(model)["cache"] == memox.SlotStats(hits=1, misses=1)
 
 
-@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
+@pytest.mark.parametrize("where", WHERE)
 def test_a_hoist_inside_the_differentiated_function_reads_once(where):
     # Hoisted inside the gradient taken inside `fn`, the value is differentiated where it
     # is read (the memoised read's rule): every later read is free, gradients exact.
@@ -341,7 +354,7 @@ def test_a_hoist_inside_the_differentiated_function_reads_once(where):
     assert counter.n == 1
 
 
-@pytest.mark.parametrize("where", ["eager", "filter_jit", "loop"])
+@pytest.mark.parametrize("where", WHERE)
 def test_second_order_through_a_gradient_with_respect_to_the_view(where):
     # An outer gradient (outside the call; the value carries its derivative) of a
     # gradient taken inside `fn` with respect to the view (which differentiates the
