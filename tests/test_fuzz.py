@@ -32,18 +32,20 @@ batched predicate under `vmap`, which the semantics call for.
 CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200) under the leak checker; the
 nightly size is 10,000 sequences, e.g. as two processes
 
-    MEMOX_FUZZ_EXAMPLES=5000 MEMOX_CHECK_LEAKS=0 python -m pytest -m heavy \
+    MEMOX_FUZZ_EXAMPLES=5000 MEMOX_CHECK_LEAKS=0 python -m pytest -m heavy -s \
         tests/test_fuzz.py --hypothesis-seed=1   # and =2
 
 (the leak checker disables JAX's cache of compiled primitives: eager ops would compile
-every time).
+every time). From 1000 sequences, a line every 100 says how many have run.
 """
 
 import dataclasses
 import functools
 import io
+import itertools
 import operator
 import os
+import time
 from collections.abc import Callable
 
 import equinox as eqx
@@ -83,6 +85,9 @@ from memox import Memo
 
 
 EXAMPLES = int(os.environ.get("MEMOX_FUZZ_EXAMPLES", "200"))
+# A long run (`-s` shows it) prints a line every this many sequences.
+PROGRESS_EVERY = 100 if EXAMPLES >= 1000 else 0
+_run = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1028,3 +1033,6 @@ def test_random_sequences_match_unmemoized(sequence):
     for step in sequence:
         _apply(state, step)
         _no_wide_float_outside_x64(state.model, step)
+    n = next(_run)
+    if PROGRESS_EVERY and n % PROGRESS_EVERY == 0:
+        print(f"fuzz: {n} sequences run, {time.strftime('%H:%M:%S')}", flush=True)
