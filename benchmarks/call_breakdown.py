@@ -1,0 +1,131 @@
+"""Where a `memox.jit` call's time goes, on s12's chain, and what `jax.jit` charges per
+array it takes and returns.
+
+    python benchmarks/call_breakdown.py [--leaves 200] [--slots 100] [--calls 300]
+
+Part 1 times each step of a threaded `memox.jit` hit (a timer around each function,
+which adds about a microsecond per step): taking the call apart (`Signature.split`),
+deciding the hits on the host, dispatching the compiled program, putting the returned
+slots into the module. Part 2 times a plain `jax.jit` of tiny arrays, as the number of
+arrays in and out grows: the floor that a slot's buffers add to a call, whatever memox
+does on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from s12_scaling import chain
+
+import memox
+from memox import _decided, _jit, _partition
+
+
+_spent: collections.Counter = collections.Counter()
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    """Replace `owner.name` by a function adding its time to `_spent[label]`."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _spent[label] += time.perf_counter() - start
+
+    setattr(owner, name, staticmethod(timed) if name == "split" else timed)
+
+
+def _times_us(fn: Callable[[], Any], calls: int) -> list[float]:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e6 * (time.perf_counter() - start))
+    return times
+
+
+def _median_us(fn: Callable[[], Any], calls: int) -> float:
+    return sorted(_times_us(fn, calls))[calls // 2]
+
+
+def breakdown(leaves: int, slots: int, calls: int) -> None:
+    x = jnp.ones(4)
+    model = chain(leaves, slots)
+    step = memox.jit(lambda m, x: m(x))
+    reference = eqx.filter_jit(lambda m, x: m.plain(x))
+    state = {"model": model}
+
+    def threaded() -> Any:
+        y, state["model"] = step(state["model"], x)
+        return y
+
+    for _ in range(5):  # both programs compiled, the hits decided on the host
+        threaded()
+        reference(model, x)
+    _timed(_partition.Signature, "split", "take the call apart (Signature.split)")
+    _timed(_decided.Hits, "decide", "decide the hits (Hits.decide)")
+    _timed(_partition._Split, "parted", "pass the entries apart (parted)")
+    _timed(_jit, "with_entries", "give the entries back (with_entries)")
+    _timed(_partition._Split, "hand_over", "hand donated slots over (hand_over)")
+    _timed(step, "_compiled", "dispatch and program (jax.jit)")
+    split = _partition.Signature.split
+
+    def split_timing_put(*args: Any) -> Any:
+        found = split(*args)
+        put = found.put
+
+        def timed_put(new_slots: dict) -> Any:
+            start = time.perf_counter()
+            try:
+                return put(new_slots)
+            finally:
+                _spent["put the slots into the module (put)"] += time.perf_counter() - start
+
+        found.put = timed_put
+        return found
+
+    _partition.Signature.split = staticmethod(split_timing_put)
+    _spent.clear()
+    times = _times_us(threaded, calls)
+    parts = {k: 1e6 * v / calls for k, v in _spent.items()}
+    unmemoized = _median_us(lambda: reference(model, x), calls)
+    print(
+        f"{leaves} leaves, {slots} slots: memox.jit hit {sorted(times)[calls // 2]:.0f} us a "
+        f"call (median), {sum(times) / calls:.0f} us (mean)"
+    )
+    print(f"  reference, eqx.filter_jit of the unmemoized model: {unmemoized:.0f} us")
+    for part, us in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"  {part}: {us:.0f} us (mean)")
+
+
+def dispatch_floor(calls: int) -> None:
+    print("jax.jit of tiny arrays (f32[4]): per call, median")
+    for inputs, outputs in ((200, 1), (500, 1), (1400, 1), (200, 101), (200, 301)):
+        xs = [jnp.ones(4) + i for i in range(inputs)]
+        fn = jax.jit(lambda xs, n=outputs: (xs[0].sum(), [x + 1 for x in xs[: n - 1]]))
+        fn(xs)
+        print(f"  {inputs} in, {outputs} out: {_median_us(lambda: fn(xs), calls):.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--leaves", type=int, default=200)
+    parser.add_argument("--slots", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=300)
+    options = parser.parse_args()
+    breakdown(options.leaves, options.slots, options.calls)
+    dispatch_floor(options.calls)
+
+
+if __name__ == "__main__":
+    main()
