@@ -87,7 +87,7 @@ from memox import Memo
 EXAMPLES = int(os.environ.get("MEMOX_FUZZ_EXAMPLES", "200"))
 # A long run (`-s` shows it) prints a line every this many sequences.
 PROGRESS_EVERY = 100 if EXAMPLES >= 1000 else 0
-_run = itertools.count(1)
+_sequences = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1033,6 +1033,6 @@ def test_random_sequences_match_unmemoized(sequence):
     for step in sequence:
         _apply(state, step)
         _no_wide_float_outside_x64(state.model, step)
-    n = next(_run)
+    n = next(_sequences)
     if PROGRESS_EVERY and n % PROGRESS_EVERY == 0:
         print(f"fuzz: {n} sequences run, {time.strftime('%H:%M:%S')}", flush=True)
