@@ -12,7 +12,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def _no_tracer_leaks():
     # Every test runs with JAX's leak checker on: a tracer stored in a slot or any Python
     # object that outlives its trace fails the test. The checker also disables JAX's
-    # cache of compiled primitives, so eager code compiles every op: the nightly-size
-    # fuzzing run may turn it off with MEMOX_CHECK_LEAKS=0 (CI never does).
+    # cache of compiled primitives, so eager code compiles every op: MEMOX_CHECK_LEAKS=0
+    # turns it off, for a nightly-size fuzzing run and CI's heavy step on the newest JAX
+    # (the oldest JAX runs every suite with it).
     with jax.check_tracer_leaks(os.environ.get("MEMOX_CHECK_LEAKS", "1") != "0"):
         yield

@@ -29,8 +29,8 @@ part's index as a static argument (`_tag`), so the unmemoized value stays the re
 everywhere. Warnings are errors (pyproject), except memox's `UncachedWarning` for a
 batched predicate under `vmap`, which the semantics call for.
 
-CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200) under the leak checker; the
-nightly size is 10,000 sequences, e.g. as two processes
+CI runs `MEMOX_FUZZ_EXAMPLES` sequences (default 200), under the leak checker on the
+oldest JAX; the nightly size is 10,000 sequences, e.g. as two processes
 
     MEMOX_FUZZ_EXAMPLES=5000 MEMOX_CHECK_LEAKS=0 python -m pytest -m heavy -s \
         tests/test_fuzz.py --hypothesis-seed=1   # and =2
