@@ -87,6 +87,11 @@ from memox import Memo
 EXAMPLES = int(os.environ.get("MEMOX_FUZZ_EXAMPLES", "200"))
 # A long run (`-s` shows it) prints a line every this many sequences.
 PROGRESS_EVERY = 100 if EXAMPLES >= 1000 else 0
+# JAX's caches keep the programs a run compiles, each holding memory maps of its own: a
+# run passed the kernel's limit on them (vm.max_map_count, 65,530) after about 700
+# sequences and crashed. Clearing JAX's caches this often keeps it under a thousand;
+# each sequence builds its own state, so no sequence depends on them.
+CLEAR_JAX_CACHES_EVERY = 50
 _sequences = itertools.count(1)
 
 
@@ -1034,5 +1039,7 @@ def test_random_sequences_match_unmemoized(sequence):
         _apply(state, step)
         _no_wide_float_outside_x64(state.model, step)
     n = next(_sequences)
+    if n % CLEAR_JAX_CACHES_EVERY == 0:
+        jax.clear_caches()
     if PROGRESS_EVERY and n % PROGRESS_EVERY == 0:
         print(f"fuzz: {n} sequences run, {time.strftime('%H:%M:%S')}", flush=True)
