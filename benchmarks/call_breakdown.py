@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,9 @@ def _timed(owner: Any, name: str, label: str) -> None:
         finally:
             _spent[label] += time.perf_counter() - start
 
-    setattr(owner, name, staticmethod(timed) if name == "split" else timed)
+    # (`original` is bound where it is a class method: the replacement must not bind.)
+    bound = isinstance(inspect.getattr_static(owner, name), classmethod)
+    setattr(owner, name, staticmethod(timed) if bound else timed)
 
 
 def _times_us(fn: Callable[[], Any], calls: int) -> list[float]:
