@@ -1035,9 +1035,14 @@ ops = st.one_of(
 @given(st.lists(ops, min_size=1, max_size=12))
 def test_random_sequences_match_unmemoized(sequence):
     state = State.new()
-    for step in sequence:
-        _apply(state, step)
-        _no_wide_float_outside_x64(state.model, step)
+    try:
+        for step in sequence:
+            _apply(state, step)
+            _no_wide_float_outside_x64(state.model, step)
+    except Exception:
+        if PROGRESS_EVERY:  # (a long run: say so now, before hypothesis shrinks it)
+            print(f"fuzz: a sequence failed: {sequence!r}", flush=True)
+        raise
     n = next(_sequences)
     if n % CLEAR_JAX_CACHES_EVERY == 0:
         jax.clear_caches()
