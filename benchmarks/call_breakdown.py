@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _common import median
 from s12_scaling import chain
 
 import memox
@@ -32,20 +32,19 @@ from memox import _decided, _jit, _partition
 _spent: collections.Counter = collections.Counter()
 
 
+def _add_time(label: str, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, its time added to `_spent[label]`."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        _spent[label] += time.perf_counter() - start
+
+
 def _timed(owner: Any, name: str, label: str) -> None:
-    """Replace `owner.name` by a function adding its time to `_spent[label]`."""
+    """Replace the method or attribute `owner.name` by one adding its time to `_spent`."""
     original = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _spent[label] += time.perf_counter() - start
-
-    # (`original` is bound where it is a class method: the replacement must not bind.)
-    bound = isinstance(inspect.getattr_static(owner, name), classmethod)
-    setattr(owner, name, staticmethod(timed) if bound else timed)
+    setattr(owner, name, lambda *args: _add_time(label, original, *args))
 
 
 def _times_us(fn: Callable[[], Any], calls: int) -> list[float]:
@@ -58,7 +57,7 @@ def _times_us(fn: Callable[[], Any], calls: int) -> list[float]:
 
 
 def _median_us(fn: Callable[[], Any], calls: int) -> float:
-    return sorted(_times_us(fn, calls))[calls // 2]
+    return median(_times_us(fn, calls))
 
 
 def breakdown(leaves: int, slots: int, calls: int) -> None:
@@ -75,35 +74,28 @@ def breakdown(leaves: int, slots: int, calls: int) -> None:
     for _ in range(5):  # both programs compiled, the hits decided on the host
         threaded()
         reference(model, x)
-    _timed(_partition.Signature, "split", "take the call apart (Signature.split)")
     _timed(_decided.Hits, "decide", "decide the hits (Hits.decide)")
     _timed(_partition._Split, "parted", "pass the entries apart (parted)")
     _timed(_jit, "with_entries", "give the entries back (with_entries)")
     _timed(_partition._Split, "hand_over", "hand donated slots over (hand_over)")
     _timed(step, "_compiled", "dispatch and program (jax.jit)")
-    split = _partition.Signature.split
+    split = _partition.Signature.split  # (a class method: bound already)
 
-    def split_timing_put(*args: Any) -> Any:
-        found = split(*args)
+    def timed_split(*args: Any) -> Any:
+        found = _add_time("take the call apart (Signature.split)", split, *args)
         put = found.put
-
-        def timed_put(new_slots: dict) -> Any:
-            start = time.perf_counter()
-            try:
-                return put(new_slots)
-            finally:
-                _spent["put the slots into the module (put)"] += time.perf_counter() - start
-
-        found.put = timed_put
+        found.put = lambda new_slots: _add_time(
+            "put the slots into the module (put)", put, new_slots
+        )
         return found
 
-    _partition.Signature.split = staticmethod(split_timing_put)
+    _partition.Signature.split = staticmethod(timed_split)
     _spent.clear()
     times = _times_us(threaded, calls)
     parts = {k: 1e6 * v / calls for k, v in _spent.items()}
     unmemoized = _median_us(lambda: reference(model, x), calls)
     print(
-        f"{leaves} leaves, {slots} slots: memox.jit hit {sorted(times)[calls // 2]:.0f} us a "
+        f"{leaves} leaves, {slots} slots: memox.jit hit {median(times):.0f} us a "
         f"call (median), {sum(times) / calls:.0f} us (mean)"
     )
     print(f"  reference, eqx.filter_jit of the unmemoized model: {unmemoized:.0f} us")

@@ -36,7 +36,8 @@ oldest JAX; the nightly size is 10,000 sequences, e.g. as two processes
         tests/test_fuzz.py --hypothesis-seed=1   # and =2
 
 (the leak checker disables JAX's cache of compiled primitives: eager ops would compile
-every time). From 1000 sequences, a line every 100 says how many have run.
+every time). From 1000 sequences, a line every 100 says how many have run, and a
+failing sequence is printed at once, before hypothesis shrinks it.
 """
 
 import dataclasses
