@@ -16,9 +16,10 @@ holds a slot's arrays too (a list of leaves, a copy of the module made by a tree
 operation, the node of an older module given the same arrays), the call donates a copy
 of them instead: one copy of the table. Who holds an array is read from its reference
 count (as NumPy elides temporaries): exact in CPython, calibrated once, and only ever
-wrong towards copying. In the threaded loop (`out, model = step(model, x)`) the old
-module is gone by the next call, so every hit copies nothing; a kept module costs one
-copy at the next call.
+wrong towards copying. In the threaded loop (`out, model = step(model, x)`) the module
+returned is the one passed in, its nodes given the returned slots (or, where a new
+module was built, the old one is gone by the next call), so every hit copies nothing;
+a module kept as another object costs one copy at the next call.
 
 **Threads.** Reference counts say who holds an array at one moment; another thread may
 flatten the same module a moment later, and pass arrays that this call then deletes.
@@ -38,11 +39,10 @@ from ._jax_internals import is_concrete_array
 from ._slot import Memo
 
 
-def _references(leaves: list, j: int) -> int:
-    """`sys.getrefcount` of `leaves[j]`, counted the same way wherever it is called from
-    (compared with `_HELD_ONCE` only, which this same function measured)."""
-    x = leaves[j]
-    return sys.getrefcount(x)
+def _references(leaves: list, a: int, b: int) -> list[int]:
+    """`sys.getrefcount` of each of `leaves[a:b]`, counted the same way wherever it is
+    called from (compared with `_HELD_ONCE` only, which this same function measured)."""
+    return [sys.getrefcount(x) for x in leaves[a:b]]
 
 
 def _calibrated() -> int:
@@ -51,22 +51,26 @@ def _calibrated() -> int:
     probe = object()
     node, leaves = [probe], [probe]
     del probe
-    found = _references(leaves, 0)
+    (found,) = _references(leaves, 0, 1)
     del node
     return found
 
 
 _HELD_ONCE = _calibrated()
+NOBODY: frozenset[int] = frozenset()
 
 
 def shared(leaves: list, a: int, b: int) -> frozenset[int] | None:
     """Which of the concrete arrays `leaves[a:b]` (one slot's) something holds besides
-    `leaves` and the node they were flattened from, by position in the slot (empty:
+    `leaves` and the node they were flattened from, by position in the slot (`NOBODY`:
     the node alone holds them); None where they are traced (a slot is concrete or traced
     as a whole), never donated."""
     if not is_concrete_array(leaves[a]):
         return None
-    return frozenset(j - a for j in range(a, b) if _references(leaves, j) != _HELD_ONCE)
+    counts = _references(leaves, a, b)
+    if counts.count(_HELD_ONCE) == len(counts):
+        return NOBODY
+    return frozenset([j for j, n in enumerate(counts) if n != _HELD_ONCE])
 
 
 _LOCK = threading.RLock()  # (reentrant: a donating call may be traced inside another)

@@ -4,7 +4,10 @@ A jitted function that returns the module it was given copies every array of it 
 every call (XLA gives each output a fresh buffer). Inside `memox.call` nothing but slots
 can change, so the compiled function returns only the slots, and the wrapper splices
 them into the caller's module outside the compiled code: every other leaf of the
-returned module is the caller's own array.
+returned module is the caller's own array. Where every slot of the module was donated,
+its slot nodes are given the returned slots (`_donation.hand_over`), so the module passed
+in holds what the call returned: it is returned itself, with no new module built (the
+threaded loop, `out, model = step(model, x)`).
 
 **Donation.** The slots are donated, so that a hit, whose table passes through
 unchanged, copies nothing and a miss writes its entry in place; a slot's arrays are
@@ -110,7 +113,9 @@ def jit(fn: Any = _SENTINEL, /, *, donate: Any = True) -> Any:
 
     A function `wrapped(module, *args, **kwargs) -> (result, new_module)`. The arrays of
     `new_module` other than its slots are the caller's own (no copy crosses the
-    boundary). Without `fn`, a decorator that returns it.
+    boundary). Where every slot of `module` was donated, `new_module` is `module`
+    itself, its slots updated in place; its parameters are never touched. Without `fn`,
+    a decorator that returns it.
 
     !!! Example
 
@@ -170,7 +175,7 @@ class _Jit:
             given, module = module, self._latest.get(module) or allocated(module)
             split = Signature.split(module, args, kwargs, donating)
         split.signature = self._signatures.same(split.signature, module)
-        hits, decided = self._hits.decide(split.signature, split.flat())
+        hits, decided = self._hits.decide(split.signature, split.flat)
         slot_leaves, kept = split.parted(hits)
         if donating:
             slot_leaves = split.donated(slot_leaves)
@@ -199,10 +204,12 @@ class _Jit:
             for (h, k), i in zip(vouched, held_indices)
             if k in new_slots  # (a vouched slot was written, so it is returned)
         ]
-        self._hits.learn(split.signature, vouched, split.flat(), (hits, decided))
-        new_module = split.put(new_slots)
+        self._hits.learn(split.signature, vouched, split.flat, (hits, decided))
+        if split.hand_over(new_slots):  # (the module's slot nodes hold the returned slots)
+            new_module = split.module
+        else:
+            new_module = split.put(new_slots)
         self._signatures.returned(split.signature, new_module)
-        split.hand_over(new_slots)
         if given is not None:
             self._latest.put(given, new_module)
         return eqx.combine(dynamic, result), new_module

@@ -11,7 +11,9 @@ non-array leaves) is one hashable static argument, `Signature`: the semantics of
 `eqx.filter_jit`, without its second partition of the same trees on every call. Which
 slots the call may donate is read while the leaves are flattened, before anything
 else holds them (`_donation.py`). The returned slots are spliced into the caller's
-module (`_Split.put`): every other leaf is the caller's own array.
+module (`_Split.put`): every other leaf is the caller's own array. Where every slot node
+was donated and given its returned slot (`_Split.hand_over`), the module passed in holds
+what the call returned, and nothing is spliced.
 
 The entries of a slot whose hit was decided on the host are passed apart (read, not
 donated), put back inside the trace (`refilled`), and leave the compiled function as
@@ -33,7 +35,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._caches import Cache
-from ._donation import hand_over, shared
+from ._donation import NOBODY, hand_over, shared
 from ._jax_internals import is_concrete_array
 from ._key import exact_under_eq, same, same_nodes
 from ._sites import layout as layout_of, replace_slots, with_nodes
@@ -97,16 +99,22 @@ class _SlotLeaf:
     j: int
 
 
-_SLOT_LEAVES = Cache("slot leaf markers", 1 << 16)  # (index, j) -> _SlotLeaf
+_SLOT_MARKERS = Cache("slot leaf markers", 1 << 16)  # (index, n) -> tuple of _SlotLeaf
 
 
-def _slot_leaf(index: int, j: int) -> _SlotLeaf:
-    """The marker, the same object at every call (compared by identity first when
-    `jax.jit` looks its signature up)."""
-    found = _SLOT_LEAVES.get((index, j))
+def _slot_markers(index: int, n: int) -> tuple[_SlotLeaf, ...]:
+    """The markers of the `n` leaves of the `index`-th slot passed, the same objects at
+    every call (compared by identity first when `jax.jit` looks its signature up)."""
+    found = _SLOT_MARKERS.get((index, n))
     if found is None:
-        found = _SLOT_LEAVES.put((index, j), _SlotLeaf(index, j))
+        found = _SLOT_MARKERS.put((index, n), tuple(_SlotLeaf(index, j) for j in range(n)))
     return found
+
+
+def _outside(statics: list[Any]) -> list[int]:
+    """The positions of `statics` not marked as a slot's leaves (where some slot is not
+    passed as leaves: `Layout.others` counts every slot's as inside)."""
+    return [i for i, x in enumerate(statics) if type(x) is not _SlotLeaf]
 
 
 def _concrete(leaves: list[Any]) -> bool:
@@ -132,7 +140,12 @@ class _Split:
     shared: list[frozenset[int]]
     first: list[int]
     slots: int  # how many slots the module holds (empty ones included)
+    # Whether the module is `module`, every slot of it allocated and passed as the leaves
+    # of its node alone (no node at two paths, no two nodes holding one slot's arrays).
+    nodes_alone: bool
+    module: Any
 
+    @functools.cached_property
     def flat(self) -> list[Any]:
         """The call's input arrays in one list: the arrays, then the slots' leaves (the
         positions `_decided.Hits` and the trace's `Scope` agree on)."""
@@ -170,11 +183,19 @@ class _Split:
                 self.owners[i] = None
         return out
 
-    def hand_over(self, new_slots: dict[int, Memo]) -> None:
-        """Give each donated slot node the slot returned in its place."""
-        for owner, k in zip(self.owners, self.first):
+    def hand_over(self, new_slots: dict[int, Memo]) -> bool:
+        """Give each donated slot node the slot returned in its place. Whether that gave
+        every slot of the module its returned slot, of the same leaves: the module
+        passed in then holds what the call returned (each slot node one of its own, at
+        one path; every other leaf the caller's)."""
+        every = self.nodes_alone
+        for owner, k, leaves in zip(self.owners, self.first, self.slot_leaves):
             if owner is not None and k in new_slots:
                 hand_over(owner, new_slots[k])
+                every = every and len(leaves_of(new_slots[k])) == len(leaves)
+            else:
+                every = False
+        return every
 
     def hand_over_empty(self) -> None:
         """Where the call failed after consuming a donated slot: give its node an empty
@@ -257,16 +278,16 @@ class Signature:
         # Before anything else holds them: which slots' arrays something else holds too.
         held = [shared(leaves, a, b) if donate and a >= 0 else None for a, b in layout.ranges]
         statics: list[Any] = leaves[:]
-        in_slot = [False] * len(leaves)
         slot_leaves: list[list[Any]] = []
         owners: list[Memo | None] = []
         shared_leaves: list[frozenset[int]] = []
         first: list[int] = []
         seen: dict[int, int] = {}
-        ready = True
+        ready = passed_all = True
         for k, (a, b) in enumerate(layout.ranges):
             if a < 0 or not is_value_table(leaves[a]):  # empty, or filtered out
                 ready = False
+                passed_all = passed_all and a < 0
                 continue
             value = leaves[a]
             if is_concrete_array(value) and value.is_deleted():
@@ -277,14 +298,13 @@ class Signature:
                 node = layout.node(module, k) if held[k] is not None else None
                 owned = is_memo(node) and object.__getattribute__(node, "value") is value
                 owners.append(node if owned else None)
-                shared_leaves.append(held[k] or frozenset())
+                shared_leaves.append(held[k] or NOBODY)
                 first.append(k)
-            for j in range(b - a):
-                statics[a + j] = _slot_leaf(index, j)
-                in_slot[a + j] = True
+            statics[a:b] = _slot_markers(index, b - a)
         arrays: list[Any] = []
-        for i, x in enumerate(leaves):
-            if not in_slot[i] and isinstance(x, ARRAY_TYPES):
+        for i in layout.others if passed_all else _outside(statics):
+            x = leaves[i]
+            if isinstance(x, ARRAY_TYPES):
                 arrays.append(x)
                 statics[i] = ARRAY
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
@@ -320,6 +340,8 @@ class Signature:
             shared_leaves,
             first,
             len(layout.ranges),
+            ready and len(first) == len(layout.ranges),
+            module,
         )
 
     @classmethod
@@ -365,7 +387,17 @@ class Signature:
 
         signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
         return _Split(
-            signature, arrays, slot_leaves, put, ready, owners, shared_leaves, first, len(memos)
+            signature,
+            arrays,
+            slot_leaves,
+            put,
+            ready,
+            owners,
+            shared_leaves,
+            first,
+            len(memos),
+            False,
+            module,
         )
 
     @staticmethod

@@ -120,7 +120,8 @@ class Inputs:
                 rows.append((i, seen))  # the reference checked, not `last[i]` again
             elif is_concrete_array(x):
                 last[i] = weakref.ref(x)
-        if rows and len(rows) == sum(i < len(arrays) for i in dependencies):
+        # (with no dependency, the table of no valid row: reused too, not sent anew)
+        if len(rows) == sum(i < len(arrays) for i in dependencies):
             with jax.ensure_compile_time_eval():  # a concrete array, even under a trace
                 valid = _Valid(dependencies, len(arrays), tuple(rows), jax.device_put(table))
             self._valid = valid

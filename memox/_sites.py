@@ -64,6 +64,13 @@ class Layout:
     paths: tuple[Path, ...]
     structures: tuple[Any, ...]
     index: dict[Path, int]  # path -> position in the fields above
+    leaves: int  # how many leaves the pytree has
+
+    @functools.cached_property
+    def others(self) -> tuple[int, ...]:
+        """The positions of the leaves outside every slot, in order."""
+        inside = {i for a, b in self.ranges for i in range(a, b)}
+        return tuple(i for i in range(self.leaves) if i not in inside)
 
     def node(self, tree: Any, k: int) -> Any:
         """The `k`-th slot node of `tree` (None where its path cannot be followed)."""
@@ -96,7 +103,7 @@ def layout(treedef: Any) -> Layout | None:
                 paths.append(path)
                 structures.append(jtu.tree_structure(x))
         index = {path: k for k, path in enumerate(paths)}
-        found = Layout(tuple(ranges), tuple(paths), tuple(structures), index)
+        found = Layout(tuple(ranges), tuple(paths), tuple(structures), index, treedef.num_leaves)
     except Exception:  # a node that checks its leaves: walked node by node
         found = None
     return _layouts.put(treedef, found)

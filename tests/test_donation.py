@@ -112,7 +112,9 @@ def test_a_module_kept_costs_one_copy_though_it_shares_the_hits_entries(monkeypa
     step = memox.jit(lambda h, x: h.f.b() * x)
     _, h = step(Holder(jnp.ones(2), foo(c)), jnp.float32(1))
     _, h = step(h, jnp.float32(1))
-    best = h
+    # A copy of the module made by a tree operation (as `eqx.apply_updates` makes one):
+    # its slot nodes are new objects holding the same arrays.
+    best = jax.tree.map(lambda x: x, h)
     copies = []
 
     def counted(leaves):
@@ -126,6 +128,23 @@ def test_a_module_kept_costs_one_copy_though_it_shares_the_hits_entries(monkeypa
     assert len(copies) == 1
     assert memox.stats(h)["f.b_cache"].hits == 5 and c.n == 1
     assert not any(x.is_deleted() for x in jax.tree.leaves(best))
+    assert memox.stats(best)["f.b_cache"].hits == 1  # (as the call it was passed to left it)
+
+
+def test_the_threaded_loop_gets_back_the_module_it_passed():
+    # Where every slot node of the module passed in is given its returned slot, that
+    # module holds what the call returned: it comes back, its parameters untouched, and
+    # an alias of it reads the slots as the latest call left them (never a deleted array).
+    c = Counter()
+    step = memox.jit(lambda h, x: h.f.b() * x)
+    h = memox.init(Holder(jnp.ones(2), foo(c)))
+    w = h.extra
+    alias = h
+    for i in range(4):
+        y, h = step(h, jnp.float32(i))
+        assert h is alias and h.extra is w and float(y) == 36.0 * i
+    assert memox.stats(alias)["f.b_cache"].hits == 3 and c.n == 1
+    assert not any(x.is_deleted() for x in jax.tree.leaves(alias))
 
 
 class _Served(eqx.Module):
