@@ -5,10 +5,12 @@ array it takes and returns.
 
 Part 1 times each step of a threaded `memox.jit` hit (a timer around each function,
 which adds about a microsecond per step): taking the call apart (`Signature.split`),
-deciding the hits on the host, dispatching the compiled program, putting the returned
-slots into the module. Part 2 times a plain `jax.jit` of tiny arrays, as the number of
-arrays in and out grows: the floor that a slot's buffers add to a call, whatever memox
-does on the host.
+deciding the hits on the host, dispatching the compiled program, handing the returned
+slots to the module's slot nodes (or, where not all were donated, putting them into a
+new module). Part 2 times a plain `jax.jit` of tiny arrays, as the number of arrays in
+and out grows: the floor that a slot's buffers add to a call, whatever memox does on the
+host. Part 3 times a decided hit's program with each slot's counters in one array, as
+memox keeps them, in three, and with none.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from _common import median
 from s12_scaling import chain
 
 import memox
-from memox import _decided, _jit, _partition
+from memox import _decided, _jit, _partition, _table
 
 
 _spent: collections.Counter = collections.Counter()
@@ -112,6 +114,51 @@ def dispatch_floor(calls: int) -> None:
         print(f"  {inputs} in, {outputs} out: {_median_us(lambda: fn(xs), calls):.0f} us")
 
 
+def counts_floor(slots: int, calls: int) -> None:
+    """A decided hit's program at `slots` slots: a small forward pass reading each slot's
+    value, plus each slot's counters, written as memox writes them (one array,
+    `_table._hit_counts`) and as three arrays updated at the entry's index (age, last
+    use, hits: the layout before `counts`), and without counters."""
+    params = [jnp.ones(4) + i for i in range(2 * slots)]
+    values = [jnp.ones(4) + i for i in range(slots)]
+    index = [jnp.int32(0) for _ in range(slots)]
+    counts = [jnp.zeros((2, 2), jnp.int32) for _ in range(slots)]
+    apart = [(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.int32(0)) for _ in counts]
+
+    def forward(params: list, values: list) -> Any:
+        x = jnp.ones(4)
+        for p, v in zip(params[::2], values):
+            x = jnp.tanh(p * x + v)
+        return x.sum()
+
+    @jax.jit
+    def one_array(params: list, values: list, index: list, counts: list) -> Any:
+        return forward(params, values), [_table._hit_counts(c, i) for c, i in zip(counts, index)]
+
+    @jax.jit
+    def three_arrays(params: list, values: list, index: list, apart: list) -> Any:
+        moved = [
+            (age.at[i].add(1), used.at[i].set(hits + 1), hits + 1)
+            for (age, used, hits), i in zip(apart, index)
+        ]
+        return forward(params, values), moved
+
+    @jax.jit
+    def none(params: list, values: list) -> Any:
+        return forward(params, values)
+
+    print(f"a decided hit's program, {slots} slots: per call, median")
+    runs = {
+        "counts in one array per slot": lambda: one_array(params, values, index, counts),
+        "counts in three arrays per slot": lambda: three_arrays(params, values, index, apart),
+        "no counts": lambda: none(params, values),
+    }
+    for fn in runs.values():
+        fn()
+    for name, fn in runs.items():
+        print(f"  {name}: {_median_us(fn, calls):.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, default=200)
@@ -120,6 +167,7 @@ def main() -> None:
     options = parser.parse_args()
     breakdown(options.leaves, options.slots, options.calls)
     dispatch_floor(options.calls)
+    counts_floor(options.slots, options.calls)
 
 
 if __name__ == "__main__":

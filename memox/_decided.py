@@ -118,6 +118,8 @@ class Hits:
                 alike
                 and _is(record.entries, record.held.entries, inputs)
                 and _is(record.reads, record.held.reads, inputs)
+                # (entries donated elsewhere: the call revives the slot, and warns)
+                and not any(inputs[i].is_deleted() for i in record.held.entries)
             ):
                 found.append(record)
         if not found:

@@ -39,7 +39,7 @@ from ._donation import NOBODY, hand_over, shared
 from ._jax_internals import is_concrete_array
 from ._key import exact_under_eq, same, same_nodes
 from ._sites import layout as layout_of, replace_slots, with_nodes
-from ._slot import HIT_UNCHANGED, Memo, is_memo, is_value_table, leaves_of, replaced
+from ._slot import ENTRY_FIELDS, Memo, is_memo, is_value_table, leaves_of, replaced
 from ._table import copied
 from ._token import token
 
@@ -499,13 +499,13 @@ def without_entries(slot: Memo) -> Memo:
     """`slot` with what a hit leaves unchanged `None` (its entries, its misses): what
     leaves the compiled function for a slot whose hit was decided on the host (those are
     the caller's arrays, given back)."""
-    return replaced(slot, dict.fromkeys(HIT_UNCHANGED))
+    return replaced(slot, dict.fromkeys(ENTRY_FIELDS))
 
 
 def with_entries(slot: Memo, entries: list[Any]) -> Memo:
     """`slot` (from `without_entries`) with `entries` (`entry_leaves` of the slot passed
     in; without the snapshot, last, where it is unused) put back."""
-    return replaced(slot, dict(zip(HIT_UNCHANGED, entries)))
+    return replaced(slot, dict(zip(ENTRY_FIELDS, entries)))
 
 
 def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:

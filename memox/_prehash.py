@@ -99,7 +99,8 @@ class Inputs:
         valid = self._valid
         if valid is not None:
             for_dependencies, n, checked, ready = valid  # unpacked: every call's fast path
-            if for_dependencies is dependencies and n == len(arrays):
+            # (`memox.filter_jit` donates the table with its first argument)
+            if for_dependencies is dependencies and n == len(arrays) and not ready.is_deleted():
                 if all(ref() is arrays[i] for i, ref in checked):
                     return ready
         table = np.zeros((len(arrays), 3), np.uint32)

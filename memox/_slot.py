@@ -1,16 +1,19 @@
 """`Memo`: the cache slot, a fixed-shape table of stored values.
 
-A slot is an ordinary pytree node with eight fields and one static field, `size` (the
+A slot is an ordinary pytree node with five fields and one static field, `size` (the
 number of entries `K`, 1 unless declared `Memo(size=K)`). Empty (`Memo()`), each field
 holds the `EMPTY` marker, the integer 0 marked as such. Allocated, the fields are
 fixed-shape arrays whatever the slot's state:
 
 - per entry (leading axis `K`): `value`, the value's bits (see `_storage.py`); `valid`;
-  `key`, the 64-bit fingerprint it was computed from; `age`, hits since then; `used`,
-  when it was last used (least-recently-used eviction); `snapshot`, the dependencies'
+  `key`, the 64-bit fingerprint it was computed from; `snapshot`, the dependencies'
   bytes where the policy keeps them (`Drift`; under every other policy `None`, no leaf:
   checkpointers refuse a zero-size array);
-- for the slot: `hits` and `misses`, `int32` counters.
+- `counts`, every counter in one `int32` array of `K + 1` rows: per entry its age (hits
+  since it was stored) and when it was last used (least-recently-used eviction), then
+  the slot's hits and misses. A hit moves counters only, so it writes one array
+  (`memox.jit` returns one buffer per slot, where XLA runs each output as an operation
+  of its own). Read them as `age`, `used`, `hits` and `misses`.
 
 No leaf is an inexact array: slots are invisible to `eqx.filter(...,
 eqx.is_inexact_array)`, to `eqx.filter_grad` and to every optax optimizer. A slot has no
@@ -137,12 +140,9 @@ class Memo(eqx.Module, Generic[T]):
     value: Leaf[Array] = EMPTY
     valid: Leaf[Bool[Array, " K"]] = EMPTY
     key: Leaf[UInt32[Array, "K 2"]] = EMPTY
-    age: Leaf[Int[Array, " K"]] = EMPTY
-    used: Leaf[Int[Array, " K"]] = EMPTY
+    # Per entry (age, last use), then for the slot (hits, misses):
+    counts: Leaf[Int[Array, "rows 2"]] = EMPTY
     snapshot: Leaf[UInt8[Array, "K bytes"]] = EMPTY
-    # For the slot:
-    hits: Leaf[Int[Array, ""]] = EMPTY
-    misses: Leaf[Int[Array, ""]] = EMPTY
     size: Size = eqx.field(static=True, default=1)
 
     # Python's own attribute lookup: a slot's fields are read at every call (by JAX's
@@ -173,6 +173,26 @@ class Memo(eqx.Module, Generic[T]):
         """Whether the slot holds its tables (`False` when empty, or when filtered out):
         `is_value_table(self.value)`."""
         return is_value_table(self.value)
+
+    @property
+    def age(self) -> Array:
+        """Per entry, the hits since it was stored."""
+        return self.counts[..., :-1, 0]
+
+    @property
+    def used(self) -> Array:
+        """Per entry, the count of hits and misses when it was last used."""
+        return self.counts[..., :-1, 1]
+
+    @property
+    def hits(self) -> Array:
+        """The slot's hits."""
+        return self.counts[..., -1, 0]
+
+    @property
+    def misses(self) -> Array:
+        """The slot's misses."""
+        return self.counts[..., -1, 1]
 
     @property
     def snapshot_bytes(self) -> int | None:
@@ -239,12 +259,10 @@ def is_memo_annotation(annotation: Any) -> bool:
     return annotation is Memo or typing.get_origin(annotation) is Memo
 
 
-# The fields that hold entries (the rest are counters).
+# The fields that hold entries, which a hit leaves as they were (`snapshot`, `None` where
+# unused, last); the rest, `counts`, holds the counters.
 ENTRY_FIELDS = ("value", "valid", "key", "snapshot")
-# The fields a hit leaves as they were: the entries and the count of misses (`snapshot`,
-# `None` where unused, last).
-HIT_UNCHANGED = ("value", "valid", "key", "misses", "snapshot")
-FIELDS = ("value", "valid", "key", "age", "used", "snapshot", "hits", "misses")
+FIELDS = ("value", "valid", "key", "counts", "snapshot")
 
 
 def is_memo(x: object) -> bool:

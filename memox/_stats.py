@@ -145,8 +145,8 @@ def _flops(site: SlotSite) -> FlopCount | None:
         return None
     if method.takes_arguments:  # planned when called (under `vmap`: on one element)
         return None if method.latest_plan is None else method.latest_plan.flops
-    # The batch axes: those the counters have beyond their own shape (scalars).
-    batch = tuple(site.slot.hits.shape) if site.slot.allocated else ()
+    # The batch axes: those the counts have beyond their own two.
+    batch = tuple(site.slot.counts.shape[:-2]) if site.slot.allocated else ()
     if not batch:
         return plan_without_arguments(method.spec, site.owner).flops
 

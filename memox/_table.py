@@ -32,7 +32,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 from . import _errors, _jax_internals
 from ._caches import ByIdentity
 from ._jax_internals import explicit_sharding, is_concrete_array
-from ._slot import FIELDS, HIT_UNCHANGED, Memo, fields_of, replaced
+from ._slot import ENTRY_FIELDS, FIELDS, Memo, fields_of, replaced
 from ._storage import Spec, decode, encode, storage_struct
 
 
@@ -59,13 +59,21 @@ def allocate(slot: Memo, spec: Spec, snapshot_bytes: int | None, mesh: Mesh | No
         value=_zeros((k, *shape), dtype, mesh, _table_spec(explicit, len(shape))),
         valid=_zeros((k,), jnp.bool_, mesh),
         key=_zeros((k, KEY_WORDS), jnp.uint32, mesh),
-        age=_zeros((k,), jnp.int32, mesh),
-        used=_zeros((k,), jnp.int32, mesh),
+        counts=_counts(_zeros((k + 1, 2), jnp.int32, mesh), slot),
         snapshot=None if snapshot_bytes is None else _zeros((k, snapshot_bytes), jnp.uint8, mesh),
-        hits=slot.hits if slot.allocated else _zeros((), jnp.int32, mesh),
-        misses=slot.misses if slot.allocated else _zeros((), jnp.int32, mesh),
         size=k,
     )
+
+
+def _counts(new: Array, slot: Memo | None) -> Array:
+    """`new`, a table of counts (zeros), with the hits and misses of `slot` where it is
+    allocated."""
+    if slot is None or not slot.allocated:
+        return new
+    carried = slot.counts[..., -1, :]
+    if is_concrete_array(new) and is_concrete_array(carried):
+        carried = jax.device_put(carried, new.sharding)
+    return new.at[..., -1, :].set(carried)
 
 
 def allocate_like(shapes: Memo, mesh: Mesh | None = None, counts: Memo | None = None) -> Memo:
@@ -75,9 +83,7 @@ def allocate_like(shapes: Memo, mesh: Mesh | None = None, counts: Memo | None = 
 
     def zeros(name: str, s: jax.ShapeDtypeStruct) -> Array:
         new = _zeros(s.shape, s.dtype, mesh, _typed_spec(name, s))
-        if counts is not None and counts.allocated and name in ("hits", "misses"):
-            return jax.device_put(getattr(counts, name), new.sharding)
-        return new
+        return _counts(new, counts) if name == "counts" else new
 
     return dataclasses.replace(
         shapes,
@@ -205,25 +211,31 @@ def _clock(slot: Memo) -> Array:
 
 
 @jax.jit
-def _hit_counters(age: Array, used: Array, hits: Array, misses: Array, index: Array) -> tuple:
-    """The counters a hit on entry `index` moves: the entry's age and last use, the hits."""
-    return age.at[index].add(1), used.at[index].set(hits + misses), hits + 1
+def _hit_counts(counts: Array, index: Array) -> Array:
+    """`counts` after a hit on entry `index`: the entry's age up by one, its last use the
+    clock (hits and misses so far), the hits up by one. Elementwise, so XLA runs it as
+    one operation (an update at `index` would be one per counter)."""
+    k = counts.shape[0] - 1
+    rows, columns = jnp.arange(k + 1)[:, None], jnp.arange(2)[None, :]
+    clock = counts[k, 0] + counts[k, 1]
+    entry = rows == index
+    moved = jnp.where(columns == 0, counts + ((rows == k) | entry).astype(counts.dtype), counts)
+    return jnp.where(entry & (columns == 1), clock, moved)
 
 
 def passed_on(slot: Memo, index: Array) -> Memo:
     """`slot` after a hit on entry `index`: its counters moved, and what a hit leaves
-    unchanged (the entries, the misses) passed on as the very arrays that came in. Only
-    the counters go through a computation: eagerly, a jitted function of the whole slot
+    unchanged (the entries) passed on as the very arrays that came in. Only the
+    counters go through a computation: eagerly, a jitted function of the whole slot
     would copy its tables into new outputs at every hit."""
-    age, used, hits = _hit_counters(slot.age, slot.used, slot.hits, slot.misses, index)
-    return replaced(slot, {"age": age, "used": used, "hits": hits})
+    return replaced(slot, {"counts": _hit_counts(slot.counts, index)})
 
 
 def entry_leaves(slot: Memo) -> list[Array]:
-    """The arrays of an allocated slot that a hit leaves unchanged (`HIT_UNCHANGED` but an
-    unused snapshot): its entries and its count of misses."""
+    """The arrays of an allocated slot that a hit leaves unchanged (`ENTRY_FIELDS` but an
+    unused snapshot): its entries."""
     fields = fields_of(slot)
-    return [x for f in HIT_UNCHANGED if (x := fields[f]) is not None]
+    return [x for f in ENTRY_FIELDS if (x := fields[f]) is not None]
 
 
 # A value table -> where the method put the values of some of its entries, where not on
@@ -291,17 +303,16 @@ def _stored(
     same = holds_key(slot, key)
     oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
     index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
+    counts = slot.counts.at[index].set(jnp.stack([jnp.zeros_like(_clock(slot)), _clock(slot)]))
     new = dataclasses.replace(
         slot,
         value=_put(slot.value, encode(value, spec), index),
         valid=slot.valid.at[index].set(True),
         key=slot.key.at[index].set(key),
-        age=slot.age.at[index].set(0),
-        used=slot.used.at[index].set(_clock(slot)),
+        counts=counts.at[-1, 1].add(1),  # (age 0, last used now; one more miss)
         snapshot=slot.snapshot
         if snapshot is None or not eqx.is_array(slot.snapshot)  # no snapshot table
         else _put(slot.snapshot, snapshot, index),
-        misses=slot.misses + 1,
     )
     return new, index
 

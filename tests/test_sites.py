@@ -72,7 +72,7 @@ def test_replacing_slots_through_the_layout_gives_what_a_walk_gives(name, change
     full = memox.call(foo(Counter()), Foo.b)[1].b_cache
     if change == "counted":  # the structure of the slot replaced: spliced into the leaves
         new = {
-            s.path: eqx.tree_at(lambda m: m.hits, s.slot, s.slot.hits + 1)
+            s.path: eqx.tree_at(lambda m: m.counts, s.slot, s.slot.counts + 1)
             for s in sites
             if s.slot.allocated
         }
