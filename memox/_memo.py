@@ -170,7 +170,7 @@ class Memoised:
         if policy.snapshots:
             snapshots = jax.vmap(lambda b: unpack(b, self.plan.deps))(slot.snapshot)
             snapshots = [as_data(s) for s in snapshots]
-        reusable = fresh(policy, slot.age, [as_data(d) for d in deps], snapshots)
+        reusable = fresh(policy, slot, [as_data(d) for d in deps], snapshots)
         hit, index = lookup(slot, key, reusable)
         slot, sub = _jax_internals.varying_like((slot, sub), (deps, others, arg_arrays, key))
         operands = (nested, index, deps, others, arg_arrays, slot, sub, key)

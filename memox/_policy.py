@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
+from ._slot import Memo
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
@@ -136,13 +138,15 @@ class Manual(Policy):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def fresh(policy: Policy, age: Array, deps: Sequence[Array], snapshots: Sequence[Array]) -> Array:
-    """Per table entry: whether the policy allows reusing it (besides its key matching).
+def fresh(policy: Policy, slot: Memo, deps: Sequence[Array], snapshots: Sequence[Array]) -> Array:
+    """Per entry of `slot`: whether the policy allows reusing it (besides its key
+    matching). The ages are read only where the policy has a `max_age` (eagerly, reading
+    them is an operation of its own).
 
     `snapshots` holds, per dependency, the snapshots of all entries (leading axis K)."""
-    ok = jnp.ones(age.shape, jnp.bool_)
+    ok = jnp.ones(slot.valid.shape, jnp.bool_)
     if policy.max_age is not None:
-        ok = ok & (age < policy.max_age)
+        ok = ok & (slot.age < policy.max_age)
     if policy.snapshots:
         ok = ok & jax.vmap(lambda *s: policy.close_enough(deps, s))(*snapshots)
     return ok
