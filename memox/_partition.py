@@ -140,8 +140,8 @@ class _Split:
     shared: list[frozenset[int]]
     first: list[int]
     slots: int  # how many slots the module holds (empty ones included)
-    # Whether the module is `module`, every slot of it allocated and passed as the leaves
-    # of its node alone (no node at two paths, no two nodes holding one slot's arrays).
+    # Whether every slot of `module` (the module taken apart) is allocated and passed as
+    # the leaves of its own node (no node at two paths, no two nodes holding one slot).
     nodes_alone: bool
     module: Any
 
