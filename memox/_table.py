@@ -216,9 +216,10 @@ def _hit_counts(counts: Array, index: Array) -> Array:
     clock (hits and misses so far), the hits up by one. Elementwise, so XLA runs it as
     one operation (an update at `index` would be one per counter)."""
     k = counts.shape[0] - 1
-    rows, columns = jnp.arange(k + 1)[:, None], jnp.arange(2)[None, :]
+    rows = jnp.arange(k + 1, dtype=jnp.int32)[:, None]
+    columns = jnp.arange(2, dtype=jnp.int32)[None, :]
     clock = counts[k, 0] + counts[k, 1]
-    entry = rows == index
+    entry = rows == index.astype(jnp.int32)  # (int64 under x64)
     moved = jnp.where(columns == 0, counts + ((rows == k) | entry).astype(counts.dtype), counts)
     return jnp.where(entry & (columns == 1), clock, moved)
 
