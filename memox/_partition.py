@@ -369,7 +369,7 @@ class Signature:
                     seen[id(x)] = len(slot_leaves)
                     slot_leaves.append(one_slot)
                     owners.append(x if held is not None else None)
-                    shared_leaves.append(held or frozenset())
+                    shared_leaves.append(held or NOBODY)
                     first.append(len(memos))
                 statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
                 memos.append(i)
