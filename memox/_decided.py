@@ -10,8 +10,9 @@ Shared by `memox.jit` and `memox.filter_jit`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax.tree_util as jtu
@@ -29,16 +30,29 @@ class _Record(NamedTuple):
     """A fact about immutable objects, so true for every thread: the slot whose entries
     are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
     in a call of static signature `signature` under JAX's configuration `context` (see
-    `Hits`); `value` reads that value once, when a call first decides the hit."""
+    `Hits`); `value` reads that value once, when a call first decides the hit. `arrays`
+    pairs each input position of `held` (its entries', then its reads') with the array
+    there, held weakly."""
 
     signature: Any
     context: Any
     held: Held
-    entries: tuple[weakref.ref, ...]
-    reads: tuple[weakref.ref, ...]
+    arrays: tuple[tuple[int, weakref.ref], ...]
     index: Any  # on the device
     value: _Value
     variants: set  # the hit sets compiled for `signature` (shared by its records)
+
+    def holds(self, inputs: Sequence[Any]) -> bool:
+        """Whether `inputs` hold this record's arrays, the entries not deleted (donated
+        elsewhere: the call revives the slot, and warns)."""
+        n = len(inputs)
+        for i, ref in self.arrays:
+            if i >= n or ref() is not inputs[i]:
+                return False
+        for i in self.held.entries:
+            if inputs[i].is_deleted():
+                return False
+        return True
 
 
 class _Value:
@@ -98,14 +112,16 @@ class Hits:
     decided). Across processes nothing is decided on the host (`across_processes`)."""
 
     def __init__(self) -> None:
-        self._records: tuple[_Record, ...] = ()
+        # The records, and the hit set of all of them (the loop's steady state: one object,
+        # its hash computed once), replaced as one pair.
+        self._records: tuple[tuple[_Record, ...], HitSet] = ((), HitSet())
         self._variants: dict[Any, set] = {}
 
     def decide(self, signature: Any, inputs: Sequence[Any]) -> tuple[tuple, list[Any]]:
         """The hits known for a call of `signature` on `inputs` (each slot's `Held`, in
         the order of its entries' positions; a static argument), and for each one the
         index of its entry and the value that entry holds (device arrays: `Decided`)."""
-        records = self._records  # one snapshot (another thread may replace it whole)
+        records, every = self._records  # one snapshot (another thread may replace it whole)
         if not records:
             return (), []
         found, compared, alike = [], None, False
@@ -114,17 +130,11 @@ class Hits:
             if record.signature is not compared:
                 compared = record.signature
                 alike = same((compared, record.context), (signature, context))
-            if (
-                alike
-                and _is(record.entries, record.held.entries, inputs)
-                and _is(record.reads, record.held.reads, inputs)
-                # (entries donated elsewhere: the call revives the slot, and warns)
-                and not any(inputs[i].is_deleted() for i in record.held.entries)
-            ):
+            if alike and record.holds(inputs):
                 found.append(record)
         if not found:
             return (), []
-        hits = tuple(record.held for record in found)
+        hits = every if len(found) == len(records) else HitSet(r.held for r in found)
         variants = records[0].variants
         if hits not in variants:
             if len(variants) >= MAX_VARIANTS - 1 or across_processes(inputs):
@@ -135,21 +145,23 @@ class Hits:
     def learn(
         self,
         signature: Any,
-        held: Sequence[tuple[Held, Sequence[Any], Any]],
+        held: Sequence[tuple[Held, Any, Any]],
         inputs: Sequence[Any],
         decided: tuple[tuple, list[Any]],
+        entries_of: Callable[[Any], Sequence[Any]] = tuple,
     ) -> None:
         """After a call of `signature` on `inputs`, with the hits `decided` before it (as
-        `decide` gave them): the slots it vouched for, each with the entry arrays of the
-        slot it returned and the index of the entry (`None`: the index of the hit decided,
-        passed in, whose value is then known already)."""
-        if not held:  # (nothing to record: no signature to hash on this call's path)
-            self._records = ()
-            return
-        old = self._records
+        `decide` gave them): the slots it vouched for, each with what `entries_of` reads
+        the entry arrays of the slot it returned from (by default, those arrays), and the
+        index of the entry (`None`: the index of the hit decided, passed in, whose value
+        is then known already)."""
+        old, _ = self._records
         if len(held) == len(old) and all(index is None for _, _, index in held):
             # Every slot vouched for is a hit decided before the call (so on a record),
             # its entries passed through: the records would be made again as they are.
+            return
+        if not held:  # (nothing to record: no signature to hash on this call's path)
+            self._records = ((), HitSet())
             return
         given = dict(zip(*decided))
         if old and same(old[0].signature, signature):
@@ -161,7 +173,8 @@ class Hits:
                     self._variants.clear()
                 variants = self._variants[signature] = set()
         records, context = [], _jax_internals.jit_context()
-        for h, entries, index in sorted(held, key=lambda item: item[0].entries):
+        for h, slot, index in sorted(held, key=lambda item: item[0].entries):
+            entries = entries_of(slot)
             known = given.get(h) if index is None else None
             index = known.index if known is not None else index
             reads = [inputs[i] for i in h.reads]
@@ -169,16 +182,23 @@ class Hits:
                 continue
             # (`known`: the table and index of a decided hit, whose value is read already)
             value = _Value(entries[0], index, h.spec, None if known is None else known.value)
-            refs, read_refs = tuple(map(weakref.ref, entries)), tuple(map(weakref.ref, reads))
-            records.append(_Record(signature, context, h, refs, read_refs, index, value, variants))
-        self._records = tuple(records)
+            pairs = (*zip(h.entries, entries), *zip(h.reads, reads))
+            arrays = tuple((i, weakref.ref(x)) for i, x in pairs)
+            records.append(_Record(signature, context, h, arrays, index, value, variants))
+        self._records = (tuple(records), HitSet(r.held for r in records))
 
 
-def _is(refs: tuple[weakref.ref, ...], positions: tuple[int, ...], inputs: Sequence[Any]) -> bool:
-    for ref, i in zip(refs, positions):
-        if i >= len(inputs) or ref() is not inputs[i]:
-            return False
-    return True
+class HitSet(tuple):
+    """The hits decided for a call (each slot's `Held`, in the order of its entries'
+    positions): a tuple whose hash is computed once, as `jax.jit` hashes it, a static
+    argument, at every call. (No hit decided is the plain `()`: `jax.jit` keys a static
+    argument by its type too, and the program with none decided is one program.)"""
+
+    def __hash__(self) -> int:
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = tuple.__hash__(self)
+        return found
 
 
 class Decided(NamedTuple):
@@ -265,6 +285,12 @@ class Held:
     reads: tuple[int, ...]
     spec: Spec
     key: StaticKey
+
+    @functools.cached_property
+    def within(self) -> tuple[int, ...]:
+        """The positions of the entries among the slot's leaves (the value, its first
+        leaf, at 0)."""
+        return tuple(p - self.entries[0] for p in self.entries)
 
     def __hash__(self) -> int:
         # Hashed once: `jax.jit` hashes the hit set at every call.

@@ -200,11 +200,11 @@ class _Jit:
         for k, n in kept_at:
             new_slots[k] = with_entries(new_slots[k], kept[n])
         vouched = [
-            (h, entry_leaves(new_slots[k]), i)
+            (h, new_slots[k], i)
             for (h, k), i in zip(vouched, held_indices)
             if k in new_slots  # (a vouched slot was written, so it is returned)
         ]
-        self._hits.learn(split.signature, vouched, split.flat, (hits, decided))
+        self._hits.learn(split.signature, vouched, split.flat, (hits, decided), entry_leaves)
         if split.hand_over(new_slots):  # (the module's slot nodes hold the returned slots)
             new_module = split.module
         else:
@@ -212,7 +212,8 @@ class _Jit:
         self._signatures.returned(split.signature, new_module)
         if given is not None:
             self._latest.put(given, new_module)
-        return eqx.combine(dynamic, result), new_module
+        # (`result`: the result's non-array leaves, None where it has none)
+        return (dynamic if result is None else eqx.combine(dynamic, result)), new_module
 
     def lower(self, module: Any, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program that a call on these arguments would run now, lowered (JAX's
@@ -261,6 +262,8 @@ class _Body:
             held = scope.held(list(final.values()), keeps_indices=True)
         new_slots, kept_at = self._returned(final, changed, kept)
         dynamic, static_out = eqx.partition(result, eqx.is_array)
+        if not jtu.tree_leaves(static_out):  # (then `dynamic` is the result: no combine)
+            static_out = None
         vouched = tuple((h, k) for h, k, _ in held)
         static_out = _Static((static_out, vouched, tuple(kept_at.items())))
         return dynamic, static_out, new_slots, [i for _, _, i in held]

@@ -159,11 +159,12 @@ class _Split:
         out = list(self.slot_leaves)
         starts = _starts(len(self.arrays), out)
         kept = []
-        for positions in (h.entries for h in hits):  # (`entry_leaves`' order, value first)
-            i = starts[positions[0]]
-            at = [p - positions[0] for p in positions]
-            kept.append([out[i][j] for j in at])
-            out[i] = [None if j in at else x for j, x in enumerate(out[i])]
+        for h in hits:
+            i = starts[h.entries[0]]
+            leaves = out[i] = list(out[i])
+            kept.append([leaves[j] for j in h.within])  # (`entry_leaves`' order)
+            for j in h.within:
+                leaves[j] = None
         return out, kept
 
     def donated(self, slot_leaves: list[list[Any]]) -> list[list[Any]]:
@@ -525,10 +526,9 @@ def refilled(n_arrays: int, hits: tuple, slot_leaves: list, kept: list) -> list:
         return slot_leaves
     out = list(slot_leaves)
     starts = _starts(n_arrays, slot_leaves)
-    for positions, entries in zip((h.entries for h in hits), kept):
-        i = starts[positions[0]]
-        leaves = list(out[i])
-        for p, x in zip(positions, entries):
-            leaves[p - positions[0]] = x
-        out[i] = leaves
+    for h, entries in zip(hits, kept):
+        i = starts[h.entries[0]]
+        leaves = out[i] = list(out[i])
+        for j, x in zip(h.within, entries):
+            leaves[j] = x
     return out
