@@ -36,7 +36,7 @@ import sys
 import threading
 
 from ._jax_internals import is_concrete_array
-from ._slot import Memo
+from ._slot import ENTRY_FIELDS, Memo
 
 
 def _references(leaves: list, a: int, b: int) -> list[int]:
@@ -83,14 +83,18 @@ def exclusive(donating: bool) -> contextlib.AbstractContextManager:
 
 
 _SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))
+# What a hit moves: every field but the entries (the counters; `size` is static).
+HIT_FIELDS = tuple(name for name in _SLOT_FIELDS if name not in ENTRY_FIELDS)
 
 
-def hand_over(node: Memo, new: Memo) -> None:
+def hand_over(node: Memo, new: Memo, fields: tuple[str, ...] = _SLOT_FIELDS) -> None:
     """Give `node`, whose arrays were donated, the arrays of the slot returned in their
     place: every object reaching it (a module the caller kept) reads the slot as the
     call left it. (A slot is an immutable pytree node to everything else; this is the
-    one place memox sets its fields, and only on arrays it has just consumed.)"""
-    fields = object.__getattribute__(new, "__dict__")  # (`eqx.Module`'s own is slower)
+    one place memox sets its fields, and only on arrays it has just consumed.) A hit
+    decided on the host donates its counters alone: it hands over `HIT_FIELDS`, and the
+    node keeps its entries, the very arrays the call read."""
+    given = object.__getattribute__(new, "__dict__")  # (`eqx.Module`'s own is slower)
     target = object.__getattribute__(node, "__dict__")
-    for name in _SLOT_FIELDS:
-        target[name] = fields[name]
+    for name in fields:
+        target[name] = given[name]

@@ -49,7 +49,7 @@ from ._caches import ByIdentity
 from ._call import changed_slots, check_fn, check_module, check_slots_first, run
 from ._donation import exclusive
 from ._lifecycle import allocated
-from ._partition import Signature, Signatures, refilled, with_entries, without_entries
+from ._partition import Signature, Signatures, refilled, without_entries
 from ._sites import slots
 from ._table import entry_leaves
 from ._typing import M, P, R
@@ -197,18 +197,13 @@ class _Jit:
             raise
         self._inputs.register(split.arrays)
         result, vouched, kept_at = static_out.value
-        for k, n in kept_at:
-            new_slots[k] = with_entries(new_slots[k], kept[n])
+        new_module = split.hand_over(new_slots, dict(kept_at), kept)
         vouched = [
             (h, new_slots[k], i)
             for (h, k), i in zip(vouched, held_indices)
             if k in new_slots  # (a vouched slot was written, so it is returned)
         ]
         self._hits.learn(split.signature, vouched, split.flat, (hits, decided), entry_leaves)
-        if split.hand_over(new_slots):  # (the module's slot nodes hold the returned slots)
-            new_module = split.module
-        else:
-            new_module = split.put(new_slots)
         self._signatures.returned(split.signature, new_module)
         if given is not None:
             self._latest.put(given, new_module)

@@ -17,7 +17,8 @@ what the call returned, and nothing is spliced.
 
 The entries of a slot whose hit was decided on the host are passed apart (read, not
 donated), put back inside the trace (`refilled`), and leave the compiled function as
-`None` (`without_entries`): the wrapper gives back the caller's arrays (`with_entries`).
+`None` (`without_entries`): a donated slot node keeps them and is handed only the
+counters; anywhere else the wrapper gives back the caller's arrays (`with_entries`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._caches import Cache
-from ._donation import NOBODY, hand_over, shared
+from ._donation import HIT_FIELDS, NOBODY, hand_over, shared
 from ._jax_internals import is_concrete_array
 from ._key import exact_under_eq, same, same_nodes
 from ._sites import layout as layout_of, replace_slots, with_nodes
@@ -184,19 +185,36 @@ class _Split:
                 self.owners[i] = None
         return out
 
-    def hand_over(self, new_slots: dict[int, Memo]) -> bool:
-        """Give each donated slot node the slot returned in its place. Whether that gave
-        every slot of the module its returned slot, of the same leaves: the module
-        passed in then holds what the call returned (each slot node one of its own, at
-        one path; every other leaf the caller's)."""
-        every = self.nodes_alone
+    def hand_over(self, new_slots: dict[int, Memo], kept_at: dict[int, int], kept: list) -> Any:
+        """Give each donated slot node the slot returned in its place, and return the
+        module the call returns: the module passed in, where that gave every slot of it
+        its returned slot, of the same leaves (each slot node one of its own, at one
+        path; every other leaf the caller's), else a new module (`put`).
+
+        `kept_at`: the slots whose hits were decided on the host (returned without their
+        entries, which were passed apart), to where their entries are in `kept` (the
+        call's kept entries). Such a node is handed the counters alone (it holds the
+        entries already) and stands for that slot in `new_slots`; any other such slot
+        gets its entries back (`with_entries`). A new module gets a copy of a node
+        handed the counters: it belongs to the module passed in alone."""
+        every, nodes = self.nodes_alone, set()
         for owner, k, leaves in zip(self.owners, self.first, self.slot_leaves):
             if owner is not None and k in new_slots:
-                hand_over(owner, new_slots[k])
-                every = every and len(leaves_of(new_slots[k])) == len(leaves)
+                if k in kept_at:
+                    hand_over(owner, new_slots[k], HIT_FIELDS)
+                    new_slots[k] = owner
+                    nodes.add(k)
+                else:
+                    hand_over(owner, new_slots[k])
+                    every = every and len(leaves_of(new_slots[k])) == len(leaves)
             else:
                 every = False
-        return every
+        for k, n in kept_at.items():
+            if k not in nodes:
+                new_slots[k] = with_entries(new_slots[k], kept[n])
+        if every:
+            return self.module
+        return self.put({k: replaced(s, {}) if k in nodes else s for k, s in new_slots.items()})
 
     def hand_over_empty(self) -> None:
         """Where the call failed after consuming a donated slot: give its node an empty

@@ -147,6 +147,36 @@ def test_the_threaded_loop_gets_back_the_module_it_passed():
     assert not any(x.is_deleted() for x in jax.tree.leaves(alias))
 
 
+class _Pair(eqx.Module):
+    p: Foo
+    q: Foo
+    # (enough leaves that a new module copies the nodes down the slots' paths alone)
+    rest: tuple = tuple(jnp.zeros(()) for _ in range(32))
+
+
+def test_a_node_handed_a_decided_hits_counters_is_not_shared_with_a_new_module():
+    # A slot whose hit is decided on the host keeps its entries in its node, which is
+    # handed the counters alone. Where another slot is held elsewhere (here its counters:
+    # a copy is donated), the call returns a new module: it gets a node of its own, with
+    # the same arrays, so the module passed in and the one returned never share a node.
+    c = Counter()
+    step = memox.jit(lambda m: m.p.b() + m.q.b())
+    m = memox.init(_Pair(foo(c), foo(c, n=2)))
+    before, held = [], []
+    for _ in range(4):
+        held.append(m.q.b_cache.counts)  # (the counters of `q` are held: never donated)
+        before.append(m)
+        y, m = step(m)
+        assert float(y) == 36.0 + 6.0
+        assert m is not before[-1] and m.p.b_cache is not before[-1].p.b_cache
+        assert m.rest is before[-1].rest  # (the nodes off the slots' paths are shared)
+        assert m.p.b_cache.value is before[-1].p.b_cache.value  # (entries kept, no copy)
+    assert "conditional" not in step.lower(m).as_text()  # (both hits decided on the host)
+    assert c.n == 2 and memox.stats(m)["p.b_cache"].hits == 3
+    assert memox.stats(m)["q.b_cache"].hits == 3
+    assert not any(x.is_deleted() for t in (*before, *held, m) for x in jax.tree.leaves(t))
+
+
 class _Served(eqx.Module):
     w: jax.Array
     cache: memox.Memo[jax.Array] = memox.Memo()
