@@ -28,7 +28,7 @@ from _common import median
 from s12_scaling import chain
 
 import memox
-from memox import _decided, _jit, _partition, _table
+from memox import _decided, _partition, _table
 
 
 _spent: collections.Counter = collections.Counter()
@@ -78,8 +78,7 @@ def breakdown(leaves: int, slots: int, calls: int) -> None:
         reference(model, x)
     _timed(_decided.Hits, "decide", "decide the hits (Hits.decide)")
     _timed(_partition._Split, "parted", "pass the entries apart (parted)")
-    _timed(_jit, "with_entries", "give the entries back (with_entries)")
-    _timed(_partition._Split, "hand_over", "hand donated slots over (hand_over)")
+    _timed(_partition._Split, "hand_over", "hand the slots over, or put them in a new module")
     _timed(step, "_compiled", "dispatch and program (jax.jit)")
     split = _partition.Signature.split  # (a class method: bound already)
 
