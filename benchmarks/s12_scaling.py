@@ -71,8 +71,8 @@ GOALS = {
         1.2,
         "per slot, host-side work and buffers: a call takes each slot apart (flatten, "
         "layout, signature, reference counts), decides its hit (identity checks), passes "
-        "its entries apart and back, and dispatches its entries, counts, index and value in "
-        "and its counts out; XLA:CPU runs each slot's counts as an operation of its own "
+        "its entries apart, and dispatches its entries, counts, index and value in and its "
+        "counts out; XLA:CPU runs each slot's counts as an operation of its own "
         "(python benchmarks/call_breakdown.py splits the call)",
     ),
     "first call memox.jit / eqx.filter_jit, most slots": Goal(
