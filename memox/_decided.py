@@ -28,11 +28,11 @@ from ._table import entry_leaves, read_entry
 
 class _Record(NamedTuple):
     """A fact about immutable objects, so true for every thread: the slot whose entries
-    are the arrays `entries` holds, in entry `index`, the value for the arrays `reads`,
-    in a call of static signature `signature` under JAX's configuration `context` (see
-    `Hits`); `value` reads that value once, when a call first decides the hit. `arrays`
-    pairs each input position of `held` (its entries', then its reads') with the array
-    there, held weakly."""
+    are the arrays at the input positions `held.entries` holds, in entry `index`, the
+    value for the arrays at `held.reads`, in a call of static signature `signature`
+    under JAX's configuration `context` (see `Hits`); `value` reads that value once,
+    when a call first decides the hit. `arrays` pairs each of those positions (the
+    entries', then the reads') with the array seen there, held weakly."""
 
     signature: Any
     context: Any
@@ -100,7 +100,7 @@ class Hits:
     the entry recorded, with no fingerprint, lookup or branch (`_memo.py`), and taken as
     an input in its own type (decoded from the table once per record, `_Value`: the
     program then reads no bits, as a hand-hoisted step takes the value as it is); what a
-    hit leaves unchanged (its entries, its misses: `entry_leaves`) passes through (not
+    hit leaves unchanged (its entries: `entry_leaves`) passes through (not
     donated, not copied: the caller's arrays are given back), so the next call finds
     them again, and so does the index of the entry (not returned: an output would copy
     it). The program writes only the counters a hit moves. Anything else (a new batch,

@@ -16,8 +16,8 @@ donated only where nothing the caller holds loses them (`_donation.py`).
 **Hits decided on the host.** A slot whose entries and inputs are the very arrays of the
 previous call is known to hit before dispatch (`_decided.Hits`): the call runs a program
 that takes its value as an input, with no check (decoded from the slot's bits once, on
-the host), what a hit leaves unchanged (its entries, its misses) passed apart (not
-donated, and not read by the program) and given back as the caller's arrays.
+the host), what a hit leaves unchanged (its entries) passed apart (not donated, and not
+read by the program) and kept by the slot's node, which is handed only the counters.
 
 Dependencies that are the caller's arrays are fingerprinted outside the compiled code,
 once per array object (`_fingerprint.known`), and passed in (`_prehash.py`, shared

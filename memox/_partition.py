@@ -515,9 +515,9 @@ class _Slot:
 
 
 def without_entries(slot: Memo) -> Memo:
-    """`slot` with what a hit leaves unchanged `None` (its entries, its misses): what
-    leaves the compiled function for a slot whose hit was decided on the host (those are
-    the caller's arrays, given back)."""
+    """`slot` with what a hit leaves unchanged (its entries) `None`: what leaves the
+    compiled function for a slot whose hit was decided on the host (those are the
+    caller's arrays, kept by its node or given back)."""
     return replaced(slot, dict.fromkeys(ENTRY_FIELDS))
 
 
