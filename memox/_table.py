@@ -198,7 +198,15 @@ def holds_key(slot: Memo, key: Array) -> Array:
 def lookup(slot: Memo, key: Array, fresh: Array) -> tuple[Array, Array]:
     """Whether some entry holds `key` and may be reused (`fresh`), and which one."""
     match = holds_key(slot, key) & fresh
-    return jnp.any(match), jnp.argmax(match)
+    return jnp.any(match), _first(match)
+
+
+def _first(flags: Array) -> Array:
+    """The index of the first true entry of `flags` (0 if none). With one entry, the
+    constant 0: no reduction for XLA to compile."""
+    if flags.shape[0] == 1:
+        return jnp.zeros((), int)  # `jnp.argmax`'s type
+    return jnp.argmax(flags)
 
 
 def holding(slot: Memo, key: Array) -> Array:
@@ -301,16 +309,28 @@ def _stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
 ) -> tuple[Memo, Array]:
     """`stored`, its inputs on one set of devices."""
-    same = holds_key(slot, key)
-    oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
-    index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
-    counts = slot.counts.at[index].set(jnp.stack([jnp.zeros_like(_clock(slot)), _clock(slot)]))
+    k = slot.valid.shape[0]
+    if k == 1:  # the only entry
+        index = _first(slot.valid)
+    else:
+        same = holds_key(slot, key)
+        oldest = jnp.argmin(jnp.where(slot.valid, slot.used, jnp.iinfo(jnp.int32).min))
+        index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
+    # Elementwise updates, not scatters: XLA fuses them into their neighbours, which
+    # compiles faster (a slot's store is compiled once per slot of a model).
+    i = index.astype(jnp.int32)
+    at = jnp.arange(k, dtype=jnp.int32) == i
+    rows = jnp.arange(k + 1, dtype=jnp.int32)[:, None]
+    columns = jnp.arange(2, dtype=jnp.int32)[None, :]
+    # The entry: age 0, last used now. The slot: one more miss.
+    counts = jnp.where(rows == i, jnp.where(columns == 0, 0, _clock(slot)), slot.counts)
+    counts = jnp.where((rows == k) & (columns == 1), counts + 1, counts)
     new = dataclasses.replace(
         slot,
         value=_put(slot.value, encode(value, spec), index),
-        valid=slot.valid.at[index].set(True),
-        key=slot.key.at[index].set(key),
-        counts=counts.at[-1, 1].add(1),  # (age 0, last used now; one more miss)
+        valid=slot.valid | at,
+        key=jnp.where(at[:, None], key[None, :], slot.key),
+        counts=counts,
         snapshot=slot.snapshot
         if snapshot is None or not eqx.is_array(slot.snapshot)  # no snapshot table
         else _put(slot.snapshot, snapshot, index),
