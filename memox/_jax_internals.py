@@ -326,6 +326,23 @@ def children_and_data(node: Any) -> tuple[Any, Any] | None:
         return None
 
 
+def node_data(treedef: Any) -> list[Any]:
+    """The data of every node of tree structure `treedef`, in one fixed order (None for
+    a node without): read at once from its picklable state where that has the layout
+    jaxlib 0.10 to 0.12 give it, else node by node."""
+    try:
+        nodes = treedef.__getstate__()[1]
+        return [node[2] for node in nodes]
+    except (AttributeError, IndexError, TypeError):
+        found, stack = [], [treedef]
+        while stack:
+            t = stack.pop()
+            data = t.node_data()
+            found.append(None if data is None else data[1])
+            stack.extend(t.children())
+        return found
+
+
 def explicit_sharding(aval: Any) -> Any:
     """The sharding of `aval` where its mesh has `Explicit` axes (part of the type
     there), else `None` (placement only: XLA propagates it, the value is the same)."""

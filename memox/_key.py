@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from . import _jax_internals
-from ._jax_internals import children_and_data, explicit_sharding
+from ._jax_internals import children_and_data, explicit_sharding, node_data
 from ._token import serialise, token
 
 
@@ -153,10 +153,19 @@ def same_nodes(new: Any, old: Any) -> bool:
     return True
 
 
+def same_structures(new: Any, old: Any) -> bool:
+    """Whether tree structures `new` and `old`, equal by `==`, hold exactly the same data
+    in every node: `same_nodes` for the structures alone, where no earlier pytree is at
+    hand (a training loop's optimizer state is a new tuple at every call)."""
+    one, other = node_data(new), node_data(old)
+    return len(one) == len(other) and all(map(_same_data, one, other))
+
+
 def _same_data(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+    # (a node's data is often a tuple or a list made anew, of the same objects)
+    if type(a) is type(b) and type(a) in (tuple, list) and len(a) == len(b):
         if all(map(operator.is_, a, b)):
             return True
     return token(a) == token(b)

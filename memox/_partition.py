@@ -38,7 +38,7 @@ import numpy as np
 from ._caches import Cache
 from ._donation import HIT_FIELDS, NOBODY, hand_over, shared
 from ._jax_internals import is_concrete_array
-from ._key import exact_under_eq, same, same_nodes
+from ._key import exact_under_eq, same, same_nodes, same_structures
 from ._sites import layout as layout_of, replace_slots, with_nodes
 from ._slot import ENTRY_FIELDS, Memo, is_memo, is_value_table, leaves_of, replaced
 from ._table import copied
@@ -449,9 +449,11 @@ class Signatures:
     the same (`jax.jit` then finds its program by identity, where comparing a new one
     computes its tokens): the same tree structures, every non-array leaf the same
     object, and, where `==` is not exact on the structures' node data, the same node
-    data (`_key.same_nodes`, against the module the last call was given or returned: a
-    threaded loop passes the returned one, which shares all but a few nodes). Anything
-    else gives the new signature, which `jax.jit` compares exactly."""
+    data: against the module the last call was given or returned (`_key.same_nodes`: a
+    threaded loop passes the returned one, which shares all but a few nodes), else node
+    by node in the tree structures (`_key.same_structures`: the arguments, such as an
+    optimizer state, are new objects at every call). Anything else gives the new
+    signature, which `jax.jit` compares exactly."""
 
     def __init__(self) -> None:
         self._last: tuple[Signature, tuple[Any, ...]] | None = None
@@ -487,7 +489,7 @@ def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any
         and last.arguments == new.arguments
     ):
         return False
-    if not last.exact_arguments:
+    if not last.exact_arguments and not same_structures(new.arguments, last.arguments):
         return False
     if last.exact_modules:
         return True
@@ -495,7 +497,7 @@ def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any
         old = ref()
         if old is not None and same_nodes(module, old):
             return True
-    return False
+    return same_structures(new.module, last.module)
 
 
 def _is_marker(x: Any) -> bool:

@@ -119,3 +119,50 @@ def test_a_loop_passes_one_signature_hashed_once(monkeypatch):
     np.testing.assert_allclose(y, 10 * np.ones(3))
     assert step._signatures._last[0] is not signatures[3]
     assert step._signatures._last[0] != signatures[3]
+
+
+class _Counted(eqx.Module):
+    """An argument whose tree structure holds a number: `==` on its structure is not
+    exact (`1 == True`), so its node data must be proven the same another way."""
+
+    v: jax.Array
+    n: int = eqx.field(static=True)
+
+
+def test_a_loop_passing_new_arguments_and_a_rebuilt_module_passes_one_signature():
+    # A training loop: an optimizer state is a new tuple at every call, and the module
+    # is rebuilt by the caller (`eqx.combine`), not the one the call returned. Their node
+    # data are the same objects: the signature is passed again, not compared by tokens.
+    step = memox.jit(lambda m, s, x: m.scaled() * s.v * x)
+    m = _Cached(jnp.ones(3))
+    state = _Counted(jnp.ones(3), 1000)
+    signatures = []
+    for x in (1.0, 2.0, 3.0, 4.0):
+        y, new = step(m, state, jnp.float32(x))
+        np.testing.assert_allclose(y, 2 * x * np.ones(3))
+        m = jtu.tree_unflatten(jtu.tree_structure(new), jtu.tree_leaves(new))  # rebuilt
+        state = _Counted(state.v + 0, state.n)  # new, holding the same number
+        signatures.append(step._signatures._last[0])
+    assert signatures[1] is signatures[2] is signatures[3]
+    assert memox.stats(m)["cache"].hits == 3
+
+
+def test_a_number_in_a_structure_that_changes_to_an_equal_one_of_another_type_compiles_anew():
+    # `1 == True`, so the tree structures are equal by `==`; the node data are other
+    # objects, whose tokens differ: a new signature, a new trace (the result's dtype
+    # follows the type of the number).
+    step = memox.jit(lambda m, s: (m.scaled(), jnp.asarray(s.n)))
+    m = _Cached(jnp.ones(3))
+    (_, n), m = step(m, _Counted(jnp.ones(3), 1))
+    (_, n2), m = step(m, _Counted(jnp.ones(3), 1))
+    assert n.dtype == n2.dtype == jnp.int32
+    first = step._signatures._last[0]
+    (_, n3), m = step(m, _Counted(jnp.ones(3), True))
+    assert n3.dtype == jnp.bool_
+    assert step._signatures._last[0] is not first and step._signatures._last[0] != first
+    # The same in the module, a new one at every call.
+    step2 = memox.jit(lambda c: jnp.asarray(c.n))
+    one, _ = step2(_Counted(jnp.ones(3), 1))
+    one, _ = step2(_Counted(jnp.ones(3), 1))
+    other, _ = step2(_Counted(jnp.ones(3), True))
+    assert one.dtype == jnp.int32 and other.dtype == jnp.bool_
