@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 CHAINS = ((10, 1), (1000, 1), (200, 10), (200, 100))  # (leaves, slots)
@@ -39,27 +40,38 @@ print("RESULT", json.dumps(s12.measure(leaves, slots, rounds)["per_call_us"]))
 """
 
 
-def measure(tree: Path, leaves: int, slots: int, rounds: int) -> dict[str, float]:
-    """Per-call time over the reference's, of each variant, in a fresh process."""
+def run_in(tree: Path, code: str, *args: str) -> Any:
+    """Run `code` in a fresh process with `tree`'s checkout first on its path: the JSON
+    it prints after `RESULT `, parsed."""
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
-    command = [sys.executable, "-c", _ONE, str(tree), str(leaves), str(slots), str(rounds)]
+    command = [sys.executable, "-c", code, str(tree), *args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not found:
-        raise SystemExit(f"{tree}: s12 failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    per_call = json.loads(found[0].removeprefix("RESULT "))
+        raise SystemExit(f"{tree}: failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(found[0].removeprefix("RESULT "))
+
+
+def arguments(doc: str, reps: int, rounds: int) -> argparse.Namespace:
+    """The two checkouts, and how many runs and rounds per run."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser.parse_args()
+
+
+def measure(tree: Path, leaves: int, slots: int, rounds: int) -> dict[str, float]:
+    """Per-call time over the reference's, of each variant, in a fresh process."""
+    per_call = run_in(tree, _ONE, str(leaves), str(slots), str(rounds))
     reference = per_call.pop(REFERENCE)
     return {name: us / reference for name, us in per_call.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("before", type=Path)
-    parser.add_argument("after", type=Path)
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=20)
-    options = parser.parse_args()
+    options = arguments(__doc__, reps=2, rounds=20)
     trees = {"before": options.before.resolve(), "after": options.after.resolve()}
     ratios: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     for leaves, slots in CHAINS:

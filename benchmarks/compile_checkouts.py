@@ -19,13 +19,10 @@ the runs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from compare_checkouts import arguments, run_in
 
 
 # Run in each checkout's own process: its memox, its s12 and s13.
@@ -69,14 +66,7 @@ REFERENCES = {"s13": "s13 unmemoized", "s12": "s12 100 slots unmemoized"}
 
 def measure(tree: Path, rounds: int) -> dict[str, tuple[float, float]]:
     """Compile time over the unmemoized program's (CPU, wall), in a fresh process."""
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    command = [sys.executable, "-c", _ONE, str(tree), str(rounds)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not found:
-        raise SystemExit(f"{tree}: failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    medians = json.loads(found[0].removeprefix("RESULT "))
+    medians = run_in(tree, _ONE, str(rounds))
     out = {}
     for name, (cpu, wall) in medians.items():
         ref = medians[REFERENCES[name.split()[0]]]
@@ -86,12 +76,7 @@ def measure(tree: Path, rounds: int) -> dict[str, tuple[float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("before", type=Path)
-    parser.add_argument("after", type=Path)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
-    options = parser.parse_args()
+    options = arguments(__doc__, reps=3, rounds=5)
     trees = {"before": options.before.resolve(), "after": options.after.resolve()}
     runs: dict[str, list[dict[str, tuple[float, float]]]] = {name: [] for name in trees}
     for rep in range(options.reps):
