@@ -259,3 +259,17 @@ def test_memox_is_hidden_from_jax_filtered_tracebacks():
     import memox
 
     assert os.path.dirname(memox.__file__) in traceback_util._exclude_paths
+
+
+def test_node_data_reads_every_nodes_data_at_once():
+    # The treedef's picklable state lists the nodes with their data, on every JAX memox
+    # supports; read in one call, they are the data JAX's own `node_data` gives.
+    import equinox as eqx
+
+    tree = ({"b": eqx.nn.Linear(2, 3, key=jax.random.key(0)), "a": None}, [1, (2.0,)])
+    treedef = jax.tree_util.tree_structure(tree)
+    assert internals._state_lists_node_data()
+    listed, walked = internals.node_data(treedef), internals._walked(treedef)
+    assert len(listed) == len(walked) == treedef.num_nodes
+    assert sorted(map(repr, listed)) == sorted(map(repr, walked))
+    assert ["a", "b"] in listed
