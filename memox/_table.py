@@ -310,7 +310,7 @@ def _stored(
 ) -> tuple[Memo, Array]:
     """`stored`, its inputs on one set of devices."""
     k = slot.valid.shape[0]
-    if k == 1:  # the only entry
+    if k == 1:  # the only entry: the constant 0
         index = _first(slot.valid)
     else:
         same = holds_key(slot, key)
