@@ -81,10 +81,13 @@ GOALS = {
     "first call memox.jit / eqx.filter_jit, most slots": Goal(
         "<=",
         1.5,
-        "XLA compiles each slot's check and store: 33 fusions per slot, with a conditional "
-        "for the hit (XLA:CPU compiles each apart). A first program specialised on the "
-        "empty tables (no branch) compiles faster, but adds one more program to every loop "
-        "whose parameters change (the checking program at the second call): not adopted",
+        "XLA compiles each slot's fingerprint, check and store: 9 fusions per slot, with a "
+        "conditional for the hit (XLA:CPU compiles each apart). A first program "
+        "specialised on the empty tables (no branch) compiles faster, but adds one more "
+        "program to every loop whose parameters change (the checking program at the "
+        "second call): not adopted. Even with no check and no fingerprint, storing a value "
+        "into each slot's table took 4.3-5.6x the reference's first call (record "
+        "2026-11-29-cpu-only-first-call-bound)",
     ),
     "memox.jit / hand-hoisted, largest value": Goal(
         "<=",
