@@ -131,8 +131,9 @@ class _Counted(eqx.Module):
 
 def test_a_loop_passing_new_arguments_and_a_rebuilt_module_passes_one_signature():
     # A training loop: an optimizer state is a new tuple at every call, and the module
-    # is rebuilt by the caller (`eqx.combine`), not the one the call returned. Their node
-    # data are the same objects: the signature is passed again, not compared by tokens.
+    # is rebuilt by the caller (`eqx.combine`), not the one the call returned, which is
+    # gone. Their node data are the same objects: the signature is passed again, not
+    # compared by tokens.
     step = memox.jit(lambda m, s, x: m.scaled() * s.v * x)
     m = _Cached(jnp.ones(3))
     state = _Counted(jnp.ones(3), 1000)
@@ -141,6 +142,7 @@ def test_a_loop_passing_new_arguments_and_a_rebuilt_module_passes_one_signature(
         y, new = step(m, state, jnp.float32(x))
         np.testing.assert_allclose(y, 2 * x * np.ones(3))
         m = jtu.tree_unflatten(jtu.tree_structure(new), jtu.tree_leaves(new))  # rebuilt
+        del new  # (nor is the module passed in kept: neither can vouch for the new one)
         state = _Counted(state.v + 0, state.n)  # new, holding the same number
         signatures.append(step._signatures._last[0])
     assert signatures[1] is signatures[2] is signatures[3]
