@@ -81,14 +81,15 @@ class Frame:
         for site in slot_sites(tree) if sites is None else sites:
             path = prefix + site.path
             self.store[path] = site.slot
-            self._index_slot(path, site.slot)
+            self.index(path, site.slot)
             if site.field is not None:
                 self._by_owner[id(site.owner)] = path[:-1]
                 self._alive.append(site.owner)
         # The slots the frame was opened with, by path (what a call then changed).
         self.given = dict(self.store)
 
-    def _index_slot(self, path: Path, slot: Memo) -> None:
+    def index(self, path: Path, slot: Memo) -> None:
+        """Find `slot` at `path` (by its key array: `find`)."""
         if slot.allocated:
             self._by_key[id(slot.key)] = path
             self._alive.append(slot.key)
@@ -116,7 +117,7 @@ class Frame:
             if not _jax_internals.visible_at(x, self.trace):
                 raise ValueError(INNER_TRANSFORM.format(method=method, slot=path_name(path)))
         self.store[path] = slot
-        self._index_slot(path, slot)
+        self.index(path, slot)
 
     def fingerprint(self, x: Any) -> Any:
         """The fingerprint of array `x`: by identity if it has a value (hashed once per

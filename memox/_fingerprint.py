@@ -169,7 +169,8 @@ def array_fingerprint(x: Array) -> UInt32[Array, 2]:
 
 @functools.partial(jax.jit, static_argnums=1)
 def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Array, 2]:
-    """One fingerprint of several arrays' fingerprints, in order, salted.
+    """One fingerprint of several arrays' fingerprints, in order, salted: a call's key,
+    never all zeros.
 
     Each step `lane -> mix(lane * A + f + j)` is a bijection of both `lane` and `f`, so
     a change of any one array's fingerprint changes the result."""
@@ -178,6 +179,9 @@ def combine(fingerprints: Sequence[Array], salt: tuple[int, int]) -> UInt32[Arra
     for j, f in enumerate(fingerprints):
         lane0 = _mix(lane0 * u32(_A) + f[0] + u32(j), u32)
         lane1 = _mix(lane1 * u32(_C) + f[1] + u32(j), u32)
+    # Never all zeros, the key of an entry that holds nothing (`_slot.Memo`): (0, 0)
+    # becomes (0, 1). Lane 0 is unchanged, so a one-element change is still detected.
+    lane1 = jnp.where((lane0 == 0) & (lane1 == 0), u32(1), lane1)
     return jnp.stack([lane0, lane1])
 
 

@@ -155,15 +155,17 @@ def invalidate(module: M, /, *methods: CachedMethod, when: Bool[ArrayLike, ""] =
         for site in slot_sites(module)
         if not methods or (site.field and method_for(site.owner, site.field) in methods)
     ]
-    _invalidate_running(sites, when)
-    return replace_slots(module, {site.path: invalidated(site.slot, when) for site in sites})
+    new = {site.path: invalidated(site.slot, when) for site in sites}
+    _invalidate_running(sites, new, when)
+    return replace_slots(module, new)
 
 
-def _invalidate_running(sites: list[SlotSite], when: Any) -> None:
+def _invalidate_running(sites: list[SlotSite], new: dict, when: Any) -> None:
     """Inside `fn`, invalidate the slots of the running call too: its frame holds their
     current states, which a cached method reads whichever copy of the module it runs on
     (an invalidation inside a transformation opened inside `fn` is refused there, as
-    any write of the frame is)."""
+    any write of the frame is). The slots `new` of the module returned are new arrays:
+    the frame finds each at its site's path."""
     frame = _context.top()
     if not isinstance(frame, _context.Frame):
         return
@@ -171,6 +173,7 @@ def _invalidate_running(sites: list[SlotSite], when: Any) -> None:
         path = frame.find(site.owner, site.field) if site.field else None
         if path is not None:
             frame.write(path, invalidated(frame.store[path], when), "memox.invalidate")
+            frame.index(path, new[site.path])
 
 
 def strip(module: M) -> M:

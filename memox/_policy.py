@@ -144,7 +144,7 @@ def fresh(policy: Policy, slot: Memo, deps: Sequence[Array], snapshots: Sequence
     them is an operation of its own).
 
     `snapshots` holds, per dependency, the snapshots of all entries (leading axis K)."""
-    ok = jnp.ones(slot.valid.shape, jnp.bool_)
+    ok = jnp.ones(slot.key.shape[:-1], jnp.bool_)
     if policy.max_age is not None:
         ok = ok & (slot.age < policy.max_age)
     if policy.snapshots:

@@ -33,8 +33,8 @@ So `memox.scan` makes the value a loop constant by construction:
    it (with the step's index), from `init` with its slots as the first step left them.
    No slice of `xs` is copied, and under `vjp` JAX forwards `xs` to the backward pass
    where it needs an element (one read by index from `xs` closed over is a value of the
-   loop, saved per step: a copy of `xs`). The pinned slots' entries (`value`, `valid`,
-   `key`, `snapshot`) leave the carry: the body closes over them and rebuilds each slot
+   loop, saved per step: a copy of `xs`). The pinned slots' entries (`value`, `key`,
+   `snapshot`) leave the carry: the body closes over them and rebuilds each slot
    from them and its carried counters, and they are put back after the loop. A pinned
    call returns the first step's value, closed over by the body, and touches its entry.
    No fingerprint, lookup or branch runs for it in the loop, and no residual depends on

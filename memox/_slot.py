@@ -1,14 +1,16 @@
 """`Memo`: the cache slot, a fixed-shape table of stored values.
 
-A slot is an ordinary pytree node with five fields and one static field, `size` (the
+A slot is an ordinary pytree node with four fields and one static field, `size` (the
 number of entries `K`, 1 unless declared `Memo(size=K)`). Empty (`Memo()`), each field
 holds the `EMPTY` marker, the integer 0 marked as such. Allocated, the fields are
 fixed-shape arrays whatever the slot's state:
 
-- per entry (leading axis `K`): `value`, the value's bits (see `_storage.py`); `valid`;
-  `key`, the 64-bit fingerprint it was computed from; `snapshot`, the dependencies'
-  bytes where the policy keeps them (`Drift`; under every other policy `None`, no leaf:
-  checkpointers refuse a zero-size array);
+- per entry (leading axis `K`): `value`, the value's bits (see `_storage.py`); `key`,
+  the 64-bit fingerprint it was computed from, all zeros where the entry holds nothing
+  (no key is: `_fingerprint.combine`), so that whether an entry is valid is read from
+  its key and costs no array of its own; `snapshot`, the dependencies' bytes where the
+  policy keeps them (`Drift`; under every other policy `None`, no leaf: checkpointers
+  refuse a zero-size array);
 - `counts`, every counter in one `int32` array of `K + 1` rows: per entry its age (hits
   since it was stored) and when it was last used (least-recently-used eviction), then
   the slot's hits and misses. A hit moves counters only, so it writes one array
@@ -46,8 +48,9 @@ import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, Int, UInt8, UInt32
+from jaxtyping import Array, Int, UInt8, UInt32
 
 from . import _errors
 from ._storage import Spec, storage_struct
@@ -138,8 +141,7 @@ class Memo(eqx.Module, Generic[T]):
 
     # Per entry (leading axis `size`):
     value: Leaf[Array] = EMPTY
-    valid: Leaf[Bool[Array, " K"]] = EMPTY
-    key: Leaf[UInt32[Array, "K 2"]] = EMPTY
+    key: Leaf[UInt32[Array, "K 2"]] = EMPTY  # all zeros: no entry
     # Per entry (age, last use), then for the slot (hits, misses):
     counts: Leaf[Int[Array, "rows 2"]] = EMPTY
     snapshot: Leaf[UInt8[Array, "K bytes"]] = EMPTY
@@ -173,6 +175,11 @@ class Memo(eqx.Module, Generic[T]):
         """Whether the slot holds its tables (`False` when empty, or when filtered out):
         `is_value_table(self.value)`."""
         return is_value_table(self.value)
+
+    @property
+    def valid(self) -> Array:
+        """Per entry, whether it holds a value: its key is not all zeros."""
+        return jnp.any(self.key != 0, axis=-1)
 
     @property
     def age(self) -> Array:
@@ -261,8 +268,8 @@ def is_memo_annotation(annotation: Any) -> bool:
 
 # The fields that hold entries, which a hit leaves as they were (`snapshot`, `None` where
 # unused, last); the rest, `counts`, holds the counters.
-ENTRY_FIELDS = ("value", "valid", "key", "snapshot")
-FIELDS = ("value", "valid", "key", "counts", "snapshot")
+ENTRY_FIELDS = ("value", "key", "snapshot")
+FIELDS = ("value", "key", "counts", "snapshot")
 
 
 def is_memo(x: object) -> bool:

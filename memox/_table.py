@@ -55,9 +55,9 @@ def allocate(slot: Memo, spec: Spec, snapshot_bytes: int | None, mesh: Mesh | No
     shape, dtype = storage_struct(spec)
     explicit = spec.types[0].sharding if not spec.packed and spec.types else None
     # A buffer per leaf: `memox.jit` donates slot leaves, and a buffer is donated once.
+    # Keys of zeros: no entry holds a value.
     return Memo(
         value=_zeros((k, *shape), dtype, mesh, _table_spec(explicit, len(shape))),
-        valid=_zeros((k,), jnp.bool_, mesh),
         key=_zeros((k, KEY_WORDS), jnp.uint32, mesh),
         counts=_counts(_zeros((k + 1, 2), jnp.int32, mesh), slot),
         snapshot=None if snapshot_bytes is None else _zeros((k, snapshot_bytes), jnp.uint8, mesh),
@@ -189,9 +189,10 @@ def entry_kept(slot: Memo, index: Array, spec: Spec) -> PyTree[Array]:
 
 
 def holds_key(slot: Memo, key: Array) -> Array:
-    """Per entry, whether it is valid and stored under `key`: the in-graph verdict of the
-    key rule (`_key.py`), the one comparison of a call's key with the stored ones."""
-    return slot.valid & jnp.all(slot.key == key[None, :], axis=-1)
+    """Per entry, whether it is stored under `key`: the in-graph verdict of the key rule
+    (`_key.py`), the one comparison of a call's key with the stored ones. An entry that
+    holds nothing has a key of zeros, which no call's key is (`_fingerprint.combine`)."""
+    return jnp.all(slot.key == key[None, :], axis=-1)
 
 
 @jax.jit
@@ -211,7 +212,7 @@ def _first(flags: Array) -> Array:
 
 def holding(slot: Memo, key: Array) -> Array:
     """The index of the valid entry of `slot` that holds `key` (one is known to)."""
-    return lookup(slot, key, jnp.ones_like(slot.valid))[1]
+    return lookup(slot, key, jnp.ones(slot.key.shape[:-1], jnp.bool_))[1]
 
 
 def _clock(slot: Memo) -> Array:
@@ -309,7 +310,7 @@ def _stored(
     slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
 ) -> tuple[Memo, Array]:
     """`stored`, its inputs on one set of devices."""
-    k = slot.valid.shape[0]
+    k = slot.key.shape[0]
     if k == 1:  # the only entry: the constant 0
         index = _first(slot.valid)
     else:
@@ -328,7 +329,6 @@ def _stored(
     new = dataclasses.replace(
         slot,
         value=_put(slot.value, encode(value, spec), index),
-        valid=slot.valid | at,
         key=jnp.where(at[:, None], key[None, :], slot.key),
         counts=counts,
         snapshot=slot.snapshot
@@ -403,10 +403,12 @@ def conformed(slot: Memo, spec: Spec, inputs: list[Any]) -> Memo:
 
 
 def invalidated(slot: Memo, when: ArrayLike = True) -> Memo:
-    """`slot` with every entry invalid where `when` holds, its allocation kept."""
+    """`slot` with every entry invalid (its key zeros) where `when` holds, its allocation
+    kept."""
     if not slot.allocated:
         return slot
-    return dataclasses.replace(slot, valid=slot.valid & ~jnp.asarray(when, jnp.bool_))
+    when = jnp.asarray(when, jnp.bool_)[..., None]
+    return dataclasses.replace(slot, key=jnp.where(when, jnp.zeros_like(slot.key), slot.key))
 
 
 def emptied(slot: Memo) -> Memo:

@@ -332,12 +332,12 @@ def test_an_eager_hit_copies_no_table_and_reads_the_value_once(monkeypatch):
     c = Counter()
     m = Big(jax.random.normal(jax.random.key(0), (64, 32)), c)
     first, m = memox.call(m, Big.normalised)
-    tables = [getattr(m.cache, f) for f in ("value", "valid", "key")]
+    tables = [getattr(m.cache, f) for f in ("value", "key")]
     values = []
     for _ in range(3):
         y, m = memox.call(m, Big.normalised)
         values.append(y)
-    assert all(getattr(m.cache, f) is x for f, x in zip(("value", "valid", "key"), tables))
+    assert all(getattr(m.cache, f) is x for f, x in zip(("value", "key"), tables))
     assert first is values[0] is values[1] is values[2]
     expected = np.asarray(first).copy()
     np.testing.assert_allclose(expected, m.w / jnp.linalg.norm(m.w, axis=1, keepdims=True))

@@ -6,11 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Counter, Foo, foo
 from hypothesis import given, settings, strategies as st
 
+import memox
 from memox._fingerprint import (
     HOST_HASH_MAX_SIZE,
     array_fingerprint,
+    combine,
     fingerprint,
     host_fingerprint,
     known,
@@ -239,3 +242,23 @@ def test_a_64_bit_array_read_with_x64_off_is_fingerprinted_as_computed():
         device = np.asarray(array_fingerprint(wide))
         assert np.array_equal(device, np.asarray(array_fingerprint(narrow)))
         assert np.array_equal(device, host_fingerprint(canonical(np.asarray(wide))))
+
+
+def test_no_key_is_zeros():
+    # A key of zeros marks an entry that holds nothing: `combine` never returns it. With
+    # no fingerprint the salt is the key, so a salt of zeros reaches that one case.
+    assert np.asarray(combine([], (0, 0))).tolist() == [0, 1]
+    assert np.asarray(combine([], (0, 5))).tolist() == [0, 5]
+    assert np.asarray(combine([], (7, 0))).tolist() == [7, 0]
+
+
+def test_an_entry_holds_a_value_exactly_where_its_key_is_not_zeros():
+    c = Counter()
+    f = memox.init(foo(c))
+    assert f.b_cache.key.tolist() == [[0, 0]] and f.b_cache.valid.tolist() == [False]
+    _, f = memox.call(f, Foo.b)
+    assert f.b_cache.valid.tolist() == [True]
+    f = memox.clear(f)
+    assert f.b_cache.key.tolist() == [[0, 0]] and f.b_cache.valid.tolist() == [False]
+    _, f = memox.call(f, Foo.b)
+    assert c.n == 2 and f.b_cache.valid.tolist() == [True]
