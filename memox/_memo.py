@@ -44,9 +44,9 @@ from ._fingerprint import combine
 from ._plan import Call, Method, Parts, Plan
 from ._policy import fresh
 from ._sites import Path, path_name
-from ._slot import Memo, is_memo
+from ._slot import Memo, is_memo, replaced
 from ._storage import as_data, pack, retyped, strong, unpack
-from ._table import entry, entry_kept, holding, lookup, passed_on, stored
+from ._table import counts_after, entry, entry_kept, holding, lookup, passed_on, stored
 
 
 if TYPE_CHECKING:
@@ -178,12 +178,14 @@ class Memoised:
             _ledger.record_uncached(self.method.qualname, _errors.BATCHED_PREDICATE)
             slot, sub, index = self.miss(*operands)
         elif isinstance(hit, jax.core.Tracer):
+            # The counters move after the branch, in one operation for both (`counts_after`).
             slot, sub, index = lax.cond(
                 hit,
-                lambda *o: self.hit(nested, *o),
-                lambda *o: self.miss(nested, *o),
+                self.reused,
+                lambda *o: self.miss(nested, *o, counted=False),
                 *operands[1:],
             )
+            slot = replaced(slot, {"counts": counts_after(slot.counts, index, hit)})
         else:  # eagerly
             slot, sub, index = (self.hit if bool(hit) else self.miss)(*operands)
             return entry_kept(slot, index, spec), slot, sub
@@ -196,9 +198,14 @@ class Memoised:
     def hit(self, nested, index, deps, others, arg_arrays, slot, sub, key):
         return passed_on(slot, index), sub, index
 
-    def miss(self, nested, index, deps, others, arg_arrays, slot, sub, key):
+    def reused(self, index, deps, others, arg_arrays, slot, sub, key):
+        """A traced call's hit branch: the slot as it came (the counters move after the
+        branch)."""
+        return slot, sub, index
+
+    def miss(self, nested, index, deps, others, arg_arrays, slot, sub, key, counted=True):
         value, sub = self.compute(nested, deps, others, arg_arrays, sub, caching=True)
-        slot, index = self.store(slot, value, deps, key)
+        slot, index = self.store(slot, value, deps, key, counted)
         return slot, sub, index
 
     def compute(self, nested: Nested, deps, others, arg_arrays, sub, *, caching: bool):
@@ -218,9 +225,11 @@ class Memoised:
             value = self.method.fn(self.parts.rebuild(arrays), *a, **k)
         return strong(value), sub
 
-    def store(self, slot: Memo, value: Any, deps: Sequence[Any], key: Any) -> tuple[Memo, Any]:
+    def store(
+        self, slot: Memo, value: Any, deps: Sequence[Any], key: Any, counted: bool = True
+    ) -> tuple[Memo, Any]:
         snapshot = pack(deps) if self.policy.snapshots else None
-        return stored(slot, value, self.plan.spec, key, snapshot)
+        return stored(slot, value, self.plan.spec, key, snapshot, counted)
 
     def _merge(self, deps: Sequence[Any], others: Sequence[Any]) -> list[Any]:
         deps_, others_ = iter(deps), iter(others)

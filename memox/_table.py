@@ -215,22 +215,28 @@ def holding(slot: Memo, key: Array) -> Array:
     return lookup(slot, key, jnp.ones(slot.key.shape[:-1], jnp.bool_))[1]
 
 
-def _clock(slot: Memo) -> Array:
-    return slot.hits + slot.misses
+def counts_after(counts: Array, index: Array, hit: ArrayLike) -> Array:
+    """`counts` after a use of entry `index`: a hit where `hit` holds, else a store. A hit
+    ages the entry by one and counts a hit; a store makes its age 0 and counts a miss;
+    both make its last use the clock (hits and misses so far). Elementwise, so XLA runs
+    it as one operation (an update at `index` would be one per counter), fused with its
+    neighbours: in a traced call it follows the branch, with `hit` the branch's
+    predicate, so that neither branch has an operation of its own for it."""
+    k = counts.shape[0] - 1
+    # Column by column and row by row, then put together: no mask of rows or columns,
+    # which XLA would hoist out of a loop as kernels of their own.
+    age, used, total = counts[:k, 0], counts[:k, 1], counts[k]
+    entry = jnp.arange(k, dtype=jnp.int32) == index.astype(jnp.int32)  # (int64 under x64)
+    hit = jnp.asarray(hit, jnp.bool_)
+    age = jnp.where(entry, jnp.where(hit, age + 1, 0), age)
+    used = jnp.where(entry, total[0] + total[1], used)  # the clock
+    total = total + jnp.stack([hit, ~hit]).astype(counts.dtype)  # (hits, misses)
+    return jnp.concatenate([jnp.stack([age, used], axis=1), total[None]])
 
 
 @jax.jit
 def _hit_counts(counts: Array, index: Array) -> Array:
-    """`counts` after a hit on entry `index`: the entry's age up by one, its last use the
-    clock (hits and misses so far), the hits up by one. Elementwise, so XLA runs it as
-    one operation (an update at `index` would be one per counter)."""
-    k = counts.shape[0] - 1
-    rows = jnp.arange(k + 1, dtype=jnp.int32)[:, None]
-    columns = jnp.arange(2, dtype=jnp.int32)[None, :]
-    clock = counts[k, 0] + counts[k, 1]
-    entry = rows == index.astype(jnp.int32)  # (int64 under x64)
-    moved = jnp.where(columns == 0, counts + ((rows == k) | entry).astype(counts.dtype), counts)
-    return jnp.where(entry & (columns == 1), clock, moved)
+    return counts_after(counts, index, True)
 
 
 def passed_on(slot: Memo, index: Array) -> Memo:
@@ -254,11 +260,17 @@ _PLACED = ByIdentity("entries placed elsewhere")
 
 
 def stored(
-    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
+    slot: Memo,
+    value: PyTree[Array],
+    spec: Spec,
+    key: Array,
+    snapshot: Array | None,
+    counted: bool = True,
 ) -> tuple[Memo, Array]:
     """`slot` with `value` (of `spec`, computed from what has fingerprint `key`) written
     over the entry holding `key` if any, else an empty or the least recently used one,
     with the dependencies' `snapshot` where the slot keeps them; and that entry's index.
+    The store is counted (`counts_after`) unless the caller counts it (not `counted`).
 
     Eagerly, a value the method put on other devices (its own `jax.device_put`) is
     copied onto the slot's: the tables stay where they are (where the module's arrays are
@@ -267,20 +279,20 @@ def stored(
     the method returns it. Inside a trace, the trace places the value."""
     table = slot.value
     if not is_concrete_array(table) or not is_concrete_array(key):
-        return _stored(slot, value, spec, key, snapshot)
+        return _stored(slot, value, spec, key, snapshot, counted)
     home = table.sharding if table.committed else key.sharding
     leaves, treedef = jtu.tree_flatten(value)
     placement = tuple(map(functools.partial(_elsewhere, home=home.device_set), leaves))
     moved = any(s is not None for s in placement)
     before = _PLACED.get(table)
     if not moved and before is None:  # (the common case)
-        return _stored(slot, value, spec, key, snapshot)
+        return _stored(slot, value, spec, key, snapshot, counted)
     if moved:
         onto = _replicated(home)
         value = treedef.unflatten(
             x if s is None else jax.device_put(x, onto) for x, s in zip(leaves, placement)
         )
-    new, index = _stored(slot, value, spec, key, snapshot)
+    new, index = _stored(slot, value, spec, key, snapshot, counted)
     i = int(index)
     placed = {j: s for j, s in (before or {}).items() if j != i}
     if moved:
@@ -305,9 +317,14 @@ def _replicated(sharding: Any) -> Any:
     return sharding
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.jit, static_argnums=(2, 5))
 def _stored(
-    slot: Memo, value: PyTree[Array], spec: Spec, key: Array, snapshot: Array | None
+    slot: Memo,
+    value: PyTree[Array],
+    spec: Spec,
+    key: Array,
+    snapshot: Array | None,
+    counted: bool,
 ) -> tuple[Memo, Array]:
     """`stored`, its inputs on one set of devices."""
     k = slot.key.shape[0]
@@ -319,18 +336,12 @@ def _stored(
         index = jnp.where(jnp.any(same), jnp.argmax(same), oldest)
     # Elementwise updates, not scatters: XLA fuses them into their neighbours, which
     # compiles faster (a slot's store is compiled once per slot of a model).
-    i = index.astype(jnp.int32)
-    at = jnp.arange(k, dtype=jnp.int32) == i
-    rows = jnp.arange(k + 1, dtype=jnp.int32)[:, None]
-    columns = jnp.arange(2, dtype=jnp.int32)[None, :]
-    # The entry: age 0, last used now. The slot: one more miss.
-    counts = jnp.where(rows == i, jnp.where(columns == 0, 0, _clock(slot)), slot.counts)
-    counts = jnp.where((rows == k) & (columns == 1), counts + 1, counts)
+    at = jnp.arange(k, dtype=jnp.int32) == index.astype(jnp.int32)
     new = dataclasses.replace(
         slot,
         value=_put(slot.value, encode(value, spec), index),
         key=jnp.where(at[:, None], key[None, :], slot.key),
-        counts=counts,
+        counts=counts_after(slot.counts, index, False) if counted else slot.counts,
         snapshot=slot.snapshot
         if snapshot is None or not eqx.is_array(slot.snapshot)  # no snapshot table
         else _put(slot.snapshot, snapshot, index),
