@@ -34,8 +34,7 @@ of one column of a 1024-wide matrix.)
 reduction (`lax.reduce` over both at once) over the trailing axes of the words as they
 lie, the position key computed from each axis' index: XLA fuses the bit-cast, the keys,
 the mix and both sums into a single loop that reads each word once (on CPU, split
-across threads over the leading axis); the per-row lanes are then summed plainly, both
-in one sum (a variadic one would gather a sharded axis' rows onto each device). Two
+across threads over the leading axis); the per-row lanes are then summed plainly. Two
 separate sums over the whole array (`jnp.sum`) do not fuse on XLA:CPU: its
 tree-reduction rewrite (not applied to variadic reductions) turns each into
 `reduce-window`s over a materialised operand, so the bit-cast array and the mixed array
@@ -135,12 +134,11 @@ def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
         key = term if key is None else key + term
         stride *= w.shape[axis]
     # One fused pass over the trailing axes (on CPU split across threads over the
-    # leading one), then the leading axis summed plainly, both lanes in one sum (fewer
-    # kernels to compile): where that axis is sharded (as parameters usually are), one
-    # all-reduce of two words.
+    # leading one), then the leading axis summed plainly: where that axis is sharded (as
+    # parameters usually are), XLA combines both sums into one all-reduce of two words.
     lane0, lane1 = _sum2(*_terms(w, key, u32), tuple(range(1, w.ndim)) or (0,))
     if w.ndim > 1:
-        lane0, lane1 = jnp.sum(jnp.stack([lane0, lane1]), axis=1, dtype=u32)
+        lane0, lane1 = jnp.sum(lane0, dtype=u32), jnp.sum(lane1, dtype=u32)
     return _finish(lane0, lane1, w.size, jnp)
 
 
