@@ -5,7 +5,8 @@
 
 Two programs, each lowered anew and compiled `--rounds` times per process:
 
-- s13's training step at 16 layers (the memox step, its Manual variant, and the
+- s13's training step at 16 layers (each variant of the checkout's s13: the memox
+  step, its Manual variant, the hand-written cache where s13 has it, and the
   unmemoized step), under `eqx.filter_jit`;
 - s12's chain of 200 leaves with 100 slots: the first program of `memox.jit`, against
   `eqx.filter_jit` of the unmemoized forward pass.
