@@ -1,5 +1,7 @@
 """`Memo(size=K)`: K entries keyed by the arguments, least-recently-used eviction."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -107,3 +109,30 @@ def test_gradients_through_a_table():
 def test_bad_size(size):
     with pytest.raises(ValueError, match=r"`memox.Memo\(size=...\)` takes the number of"):
         Memo(size=size)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_traced_hit_branch_compiles_nothing(size):
+    # The counters a hit or a store moves are updated after the branch, in one operation
+    # (`_table.counts_after`): the hit branch passes the slot through. Its computation in
+    # the optimised HLO computes nothing: it reads its operands and returns them (XLA
+    # copies a buffer that is not donated).
+    class Foo(eqx.Module):
+        a: jax.Array
+        b_cache: Memo[jax.Array] = Memo(size=size)
+
+        @memox.cached("b_cache")
+        def b(self, x):
+            return jnp.sin(self.a * x)
+
+    f = memox.init(Foo(jnp.arange(3.0)), Foo.b, 1.0)
+    hlo = jax.jit(lambda f, x: memox.call(f, Foo.b, x)).lower(f, 2.0).compile().as_text()
+    (branches,) = re.findall(
+        r" conditional\(.*branch_computations=\{(%[\w.\-]+), (%[\w.\-]+)\}", hlo
+    )
+    hit = branches[1]  # (`lax.cond` lists the false branch first)
+    body = hlo.split("\n" + hit + " ")[1].split("\n}\n")[0]
+    ops = re.findall(r"= \S+ ([a-z\-]+)\(", body)
+    assert ops and set(ops) <= {"parameter", "get-tuple-element", "tuple", "copy"}, body
+    miss = hlo.split("\n" + branches[0] + " ")[1].split("\n}\n")[0]
+    assert "sine" in miss or "fusion" in miss, miss
