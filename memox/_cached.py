@@ -30,7 +30,7 @@ from ._hoisted import Hoisted
 from ._memo import memoised
 from ._plan import Call, Method, latest
 from ._policy import Exact, Policy
-from ._slot import Memo, annotations_of, is_memo_annotation
+from ._slot import Memo, admits_none, annotations_of, is_memo_annotation
 from ._token import token
 from ._typing import P, R
 
@@ -72,6 +72,9 @@ class CachedMethod(Generic[Owner, P, R]):
         self._spec: Method | None = None
         # A definition error that Python 3.11 would hide (see `__set_name__`).
         self.error: Exception | None = None
+        # Whether the slot's field is declared `Memo[...] | None`: where it holds `None`,
+        # that instance has no slot by design, and the method computes, saying nothing.
+        self.optional = False
         # The registry of the warning that it runs traced outside `memox.call`.
         self._warned: dict[Any, Any] = {}
         params = list(inspect.signature(fn).parameters.values())[1:]
@@ -102,7 +105,7 @@ class CachedMethod(Generic[Owner, P, R]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.qualname = f"{owner.__qualname__}.{name}"
         try:
-            _check_owner(owner, name, self.slot)
+            self.optional = _check_owner(owner, name, self.slot)
         except (TypeError, ValueError) as e:
             # Python 3.11 wraps an error raised here in a `RuntimeError` that hides the
             # message; there it is raised as `ABCMeta` (an `eqx.Module`'s metaclass)
@@ -140,6 +143,13 @@ class CachedMethod(Generic[Owner, P, R]):
                 raise TypeError(_errors.HOISTED_WITH_ARGUMENTS.format(method=self.qualname))
             return held.read(self.spec, module)
         frame = _context.top()
+        if held is None and self.slot in getattr(module, "__dict__", {}):  # no slot here
+            if not self.optional and frame is not None and not isinstance(frame, _context.Plain):
+                message = _errors.NONE_SLOT.format(cls=type(module).__name__)
+                _ledger.record_uncached(self.qualname, message.replace("{slot}", self.slot))
+                with _ledger.uncached_scope(self.qualname):
+                    return self.fn(module, *args, **kwargs)
+            return self.fn(module, *args, **kwargs)
         if isinstance(frame, _context.Plain):
             frame.nested = True
         elif frame is not None:
@@ -269,8 +279,9 @@ def _tracing() -> str | None:
     return None
 
 
-def _check_owner(owner: type, name: str, slot: str) -> None:
-    """Refuse a cached method whose class is not an `eqx.Module` or has no such slot."""
+def _check_owner(owner: type, name: str, slot: str) -> bool:
+    """Refuse a cached method whose class is not an `eqx.Module` or has no such slot;
+    else say whether the slot's annotation lets the field hold `None`."""
     where = dict(slot=slot, cls=owner.__name__, name=name)
     if not issubclass(owner, eqx.Module):
         kind = "a `flax.nnx.Module`" if _is_nnx(owner) else "not an `eqx.Module`"
@@ -289,6 +300,7 @@ def _check_owner(owner: type, name: str, slot: str) -> None:
     for other_name, other in cached_methods(owner, skip=name).items():
         if other.slot == slot:
             raise ValueError(_errors.SLOT_TAKEN.format(other=other_name, **where))
+    return admits_none(annotations[slot])
 
 
 def _declares_slot(owner: type, field: str, annotation: Any) -> bool:

@@ -155,6 +155,13 @@ UNREACHED_SLOT = (
     "or call `memox.call` inside it on the module it receives."
 )
 
+NONE_SLOT = (
+    "`{{method}}` ran inside `memox.call` on a `{cls}` whose slot `{{slot}}` is None, so "
+    "it computes every time and caches nothing. Give that field a slot "
+    "(`memox.Memo()`), or declare it `{{slot}}: memox.Memo[...] | None` to say that None "
+    "means no caching there (then nothing warns)."
+)
+
 OTHER_THREAD = (
     "`{method}` ran on a thread other than the one running the `memox.call` that holds "
     "its slot `{slot}` (a worker thread or a host callback started inside `fn`). A call's "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -257,13 +258,61 @@ def annotations_of(cls: type) -> dict[str, Any]:
 
 
 def is_memo_annotation(annotation: Any) -> bool:
-    """Whether a field annotation declares a slot (`Memo`, `Memo[...]`, as a string too)."""
-    if isinstance(annotation, str):
-        return annotation.split("[")[0].split(".")[-1].strip() == "Memo"
+    """Whether a field annotation declares a slot: `Memo`, `Memo[...]`, or either or
+    `None` (`Memo[...] | None`, `Optional[Memo[...]]`), as a string too (the same answer
+    with and without `from __future__ import annotations`)."""
+    members = _union_members(annotation)
+    slots = [m for m in members if _is_memo_type(m)]
+    return bool(slots) and all(_is_none(m) for m in members if not _is_memo_type(m))
+
+
+def admits_none(annotation: Any) -> bool:
+    """Whether a slot's annotation lets the field hold `None` (`Memo[...] | None`): that
+    instance has no slot, by design."""
+    return any(map(_is_none, _union_members(annotation)))
+
+
+def _union_members(annotation: Any) -> list[Any]:
+    """The members of a union annotation (`A | B`, `Optional[A]`, `Union[A, B]`, as
+    objects or as a string), else `[annotation]`."""
     name = getattr(annotation, "__forward_arg__", None)
     if isinstance(name, str):
-        return is_memo_annotation(name)
-    return annotation is Memo or typing.get_origin(annotation) is Memo
+        annotation = name
+    if not isinstance(annotation, str):
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            return list(typing.get_args(annotation))
+        return [annotation]
+    text = annotation.strip()
+    members = _top_level(text, "|")
+    if len(members) > 1:
+        return [m for member in members for m in _union_members(member)]
+    head, _, rest = text.partition("[")
+    head = head.strip().split(".")[-1]
+    if head in ("Optional", "Union") and rest.endswith("]"):
+        inner = _top_level(rest[:-1], ",")
+        return [*inner, "None"] if head == "Optional" else inner
+    return [text]
+
+
+def _is_memo_type(member: Any) -> bool:
+    if isinstance(member, str):
+        return member.partition("[")[0].strip().split(".")[-1] == "Memo"
+    return member is Memo or typing.get_origin(member) is Memo
+
+
+def _is_none(member: Any) -> bool:
+    return member is None or member is type(None) or (isinstance(member, str) and member == "None")
+
+
+def _top_level(text: str, sep: str) -> list[str]:
+    """`text` split at each `sep` outside brackets, each part stripped."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if c == sep and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()]
 
 
 # The fields that hold entries, which a hit leaves as they were (`snapshot`, `None` where
