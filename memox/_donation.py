@@ -34,24 +34,28 @@ import contextlib
 import dataclasses
 import sys
 import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from ._jax_internals import is_concrete_array
-from ._slot import ENTRY_FIELDS, Memo
+from ._slot import Memo
 
 
-def _references(leaves: list, a: int, b: int) -> list[int]:
-    """`sys.getrefcount` of each of `leaves[a:b]`, counted the same way wherever it is
-    called from (compared with `_HELD_ONCE` only, which this same function measured)."""
-    return [sys.getrefcount(x) for x in leaves[a:b]]
+def references(leaves: list) -> list[int]:
+    """`sys.getrefcount` of each of `leaves`, in one pass, counted the same way wherever
+    it is called from (compared with `_HELD_ONCE` only, which this same function
+    measured). Taken right after a flatten, before anything else holds the leaves."""
+    return list(map(sys.getrefcount, leaves))
 
 
 def _calibrated() -> int:
-    """`_references` of an object held by one list and by one other object: a slot's
+    """`references` of an object held by one list and by one other object: a slot's
     array held by its `Memo` node and by the list of leaves flattened from it."""
     probe = object()
     node, leaves = [probe], [probe]
     del probe
-    (found,) = _references(leaves, 0, 1)
+    (found,) = references(leaves)
     del node
     return found
 
@@ -60,17 +64,43 @@ _HELD_ONCE = _calibrated()
 NOBODY: frozenset[int] = frozenset()
 
 
-def shared(leaves: list, a: int, b: int) -> frozenset[int] | None:
+def shared(leaves: list, counts: list[int], a: int, b: int) -> frozenset[int] | None:
     """Which of the concrete arrays `leaves[a:b]` (one slot's) something holds besides
     `leaves` and the node they were flattened from, by position in the slot (`NOBODY`:
-    the node alone holds them); None where they are traced (a slot is concrete or traced
-    as a whole), never donated."""
+    the node alone holds them), from their `references` (`counts`, of every leaf); None
+    where they are traced (a slot is concrete or traced as a whole), never donated."""
     if not is_concrete_array(leaves[a]):
         return None
-    counts = _references(leaves, a, b)
-    if counts.count(_HELD_ONCE) == len(counts):
+    mine = counts[a:b]
+    if mine.count(_HELD_ONCE) == len(mine):
         return NOBODY
-    return frozenset([j for j, n in enumerate(counts) if n != _HELD_ONCE])
+    return frozenset([j for j, n in enumerate(mine) if n != _HELD_ONCE])
+
+
+class Holders:
+    """The `Memo` node that held each slot's arrays at the last call, per slot position
+    of one layout (weakly): found again with no walk down the slot's path. A node found
+    there is the module's own where `shared` says `NOBODY` (each of the slot's arrays is
+    held by the list of leaves and by one object alone, the node it was flattened from)
+    and that node holds the slot's first array: then it is that one object."""
+
+    def __init__(self, n: int):
+        self._refs: list[weakref.ref | None] = [None] * n
+
+    def node(self, module: Any, k: int, value: Any, held: frozenset[int], walk: Callable) -> Any:
+        """The node of slot `k` of `module`, whose first leaf is `value` (`walk(module,
+        k)` follows its path where the last node cannot be proven it); None where the
+        path does not lead to a `Memo` holding `value`."""
+        if held is NOBODY:
+            ref = self._refs[k]
+            node = None if ref is None else ref()
+            if node is not None and object.__getattribute__(node, "value") is value:
+                return node
+        node = walk(module, k)
+        if not isinstance(node, Memo) or object.__getattribute__(node, "value") is not value:
+            return None
+        self._refs[k] = weakref.ref(node)
+        return node
 
 
 _LOCK = threading.RLock()  # (reentrant: a donating call may be traced inside another)
@@ -83,18 +113,19 @@ def exclusive(donating: bool) -> contextlib.AbstractContextManager:
 
 
 _SLOT_FIELDS = tuple(field.name for field in dataclasses.fields(Memo))
-# What a hit moves: every field but the entries (the counters; `size` is static).
-HIT_FIELDS = tuple(name for name in _SLOT_FIELDS if name not in ENTRY_FIELDS)
 
 
-def hand_over(node: Memo, new: Memo, fields: tuple[str, ...] = _SLOT_FIELDS) -> None:
+def hand_over(node: Memo, new: Memo | Any) -> None:
     """Give `node`, whose arrays were donated, the arrays of the slot returned in their
     place: every object reaching it (a module the caller kept) reads the slot as the
     call left it. (A slot is an immutable pytree node to everything else; this is the
     one place memox sets its fields, and only on arrays it has just consumed.) A hit
-    decided on the host donates its counters alone: it hands over `HIT_FIELDS`, and the
-    node keeps its entries, the very arrays the call read."""
-    given = object.__getattribute__(new, "__dict__")  # (`eqx.Module`'s own is slower)
-    target = object.__getattribute__(node, "__dict__")
-    for name in fields:
+    decided on the host donates its counters alone: `new` is then the counters' array,
+    and the node keeps its entries, the very arrays the call read."""
+    target = object.__getattribute__(node, "__dict__")  # (`eqx.Module`'s own is slower)
+    if not isinstance(new, Memo):
+        target["counts"] = new
+        return
+    given = object.__getattribute__(new, "__dict__")
+    for name in _SLOT_FIELDS:
         target[name] = given[name]

@@ -49,16 +49,24 @@ from ._caches import ByIdentity
 from ._call import changed_slots, check_fn, check_module, check_slots_first, run
 from ._donation import exclusive
 from ._lifecycle import allocated
-from ._partition import Signature, Signatures, refilled, without_entries
+from ._partition import Signature, Signatures, refilled
 from ._sites import slots
+from ._slot import fields_of
 from ._table import entry_leaves
 from ._typing import M, P, R
 
 
-class _Static(eqx.Module):
-    """Non-array outputs, carried in the output's tree structure."""
+class _Static:
+    """Non-array outputs, carried in the output's tree structure: a pytree node with no
+    children (rebuilt at every call by one Python call; an `eqx.Module`'s costs a few)."""
 
-    value: Any = eqx.field(static=True)
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
 
 
 _SENTINEL: Any = object()
@@ -163,8 +171,8 @@ class _Jit:
 
     def _prepared(self, module: Any, args: tuple, kwargs: dict, donating: bool) -> tuple:
         """A call taken apart: the split, the module it was given where its slots had to
-        be allocated or revived, the entries passed apart, and the arguments of the
-        compiled function (with the hits decided on the host)."""
+        be allocated or revived, and the arguments of the compiled function (with the
+        hits decided on the host, their entries passed apart)."""
         split = Signature.split(module, args, kwargs, donating)
         if jtu.treedef_is_leaf(split.signature.module):
             check_module("jit", module, args, kwargs)
@@ -181,14 +189,14 @@ class _Jit:
             slot_leaves = split.donated(slot_leaves)
         table = self._inputs.table(split.arrays)
         call = (split.signature, hits, split.arrays, slot_leaves, kept, table, decided)
-        return split, given, kept, call
+        return split, given, call
 
     def __call__(self, module: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         with exclusive(self.donate):
             return self._call(module, args, kwargs)
 
     def _call(self, module: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        split, given, kept, call = self._prepared(module, args, kwargs, self.donate)
+        split, given, call = self._prepared(module, args, kwargs, self.donate)
         _, hits, *_, decided = call  # (not donated: `Hits.learn` keeps their indices)
         try:
             dynamic, static_out, new_slots, held_indices = self._compiled(*call)
@@ -196,8 +204,8 @@ class _Jit:
             split.hand_over_empty()
             raise
         self._inputs.register(split.arrays)
-        result, vouched, kept_at = static_out.value
-        new_module = split.hand_over(new_slots, dict(kept_at), kept)
+        result, vouched, decided_slots = static_out.value
+        new_module = split.hand_over(new_slots, decided_slots)
         vouched = [
             (h, new_slots[k], i)
             for (h, k), i in zip(vouched, held_indices)
@@ -214,7 +222,7 @@ class _Jit:
         """The program that a call on these arguments would run now, lowered (JAX's
         `Lowered`, as `jax.jit(...).lower` gives): with the hits it would decide on the
         host."""
-        return self._compiled.lower(*self._prepared(module, args, kwargs, False)[3])
+        return self._compiled.lower(*self._prepared(module, args, kwargs, False)[2])
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -255,33 +263,32 @@ class _Body:
             changed = changed_slots(module, frame)
             final = {path: changed.get(path, slot) for path, slot in slots(module).items()}
             held = scope.held(list(final.values()), keeps_indices=True)
-        new_slots, kept_at = self._returned(final, changed, kept)
+        new_slots, counted = self._returned(final, changed, kept)
         dynamic, static_out = eqx.partition(result, eqx.is_array)
         if not jtu.tree_leaves(static_out):  # (then `dynamic` is the result: no combine)
             static_out = None
         vouched = tuple((h, k) for h, k, _ in held)
-        static_out = _Static((static_out, vouched, tuple(kept_at.items())))
+        static_out = _Static((static_out, vouched, counted))
         return dynamic, static_out, new_slots, [i for _, _, i in held]
 
-    def _returned(self, final: dict, changed: dict, kept: list) -> tuple[dict, dict]:
-        """The slots the call returns, by position, and where each one whose entries a hit
-        decided on the host passed through finds them in `kept`.
+    def _returned(self, final: dict, changed: dict, kept: list) -> tuple[dict, frozenset]:
+        """The slots the call returns, by position, and the positions of those whose
+        entries are the ones passed apart (a hit decided on the host, nothing else
+        written): each of those is returned as its counters alone.
 
         With donation every allocated slot goes out (an unchanged one aliases its input);
         without, only the changed ones: an unchanged slot stays the caller's. Entries
-        passed through are not outputs (XLA would copy them): the wrapper gives back the
-        caller's arrays."""
+        passed through are not outputs (XLA would copy them, and each output costs the
+        call): the wrapper gives back the caller's arrays."""
         new_slots = {
             k: slot
             for k, (path, slot) in enumerate(final.items())
             if (path in changed or self.donate) and slot.allocated
         }
-        kept_by_value = {id(leaves[0]): n for n, leaves in enumerate(kept)}
-        kept_at = {
-            k: kept_by_value[id(slot.value)]
-            for k, slot in new_slots.items()
-            if id(slot.value) in kept_by_value
-        }
-        for k in kept_at:
-            new_slots[k] = without_entries(new_slots[k])
-        return new_slots, kept_at
+        passed = {tuple(map(id, entries)) for entries in kept}
+        counted = frozenset(
+            k for k, slot in new_slots.items() if tuple(map(id, entry_leaves(slot))) in passed
+        )
+        for k in counted:
+            new_slots[k] = fields_of(new_slots[k])["counts"]
+        return new_slots, counted

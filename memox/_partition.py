@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -36,16 +37,18 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._caches import Cache
-from ._donation import HIT_FIELDS, NOBODY, hand_over, shared
+from ._donation import NOBODY, hand_over, references, shared
 from ._jax_internals import is_concrete_array
 from ._key import exact_under_eq, same, same_nodes, same_structures
-from ._sites import layout as layout_of, replace_slots, with_nodes
-from ._slot import ENTRY_FIELDS, Memo, is_memo, is_value_table, leaves_of, replaced
+from ._sites import Layout, layout as layout_of, replace_slots, with_nodes
+from ._slot import FIELDS, Memo, is_memo, is_value_table, leaves_of, replaced
 from ._table import copied
 from ._token import token
 
 
 ARRAY = object()  # marks a leaf passed as an array
+# Where a slot's counters are among its leaves: after its value and key, one array each.
+_COUNTS = FIELDS.index("counts")
 # What `eqx.is_array` accepts, inlined (called on every leaf at every call; pinned by
 # `test_partition.py` against `eqx.is_array`).
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
@@ -112,6 +115,19 @@ def _slot_markers(index: int, n: int) -> tuple[_SlotLeaf, ...]:
     return found
 
 
+def _passed_statics(layout: Layout) -> tuple[Any, ...]:
+    """`Signature.module_leaves` of a pytree of `layout` whose slots are each passed as
+    its own leaves, in order, and whose other leaves are all arrays (computed once per
+    layout: such calls share one tuple, which `Signatures.same` compares by identity)."""
+    found = layout.derived.get("statics")
+    if found is None:
+        statics: list[Any] = [ARRAY] * layout.leaves
+        for index, (a, b) in enumerate(layout.ranges):
+            statics[a:b] = _slot_markers(index, b - a)
+        found = layout.derived["statics"] = tuple(statics)
+    return found
+
+
 def _outside(statics: list[Any]) -> list[int]:
     """The positions of `statics` not marked as a slot's leaves (where some slot is not
     passed as leaves: `Layout.others` counts every slot's as inside)."""
@@ -145,6 +161,7 @@ class _Split:
     # the leaves of its own node (no node at two paths, no two nodes holding one slot).
     nodes_alone: bool
     module: Any
+    structures: list[Any]  # the tree structure of each slot passed
 
     @functools.cached_property
     def flat(self) -> list[Any]:
@@ -185,36 +202,44 @@ class _Split:
                 self.owners[i] = None
         return out
 
-    def hand_over(self, new_slots: dict[int, Memo], kept_at: dict[int, int], kept: list) -> Any:
+    def hand_over(self, new_slots: dict[int, Any], decided: frozenset[int]) -> Any:
         """Give each donated slot node the slot returned in its place, and return the
         module the call returns: the module passed in, where that gave every slot of it
         its returned slot, of the same leaves (each slot node one of its own, at one
         path; every other leaf the caller's), else a new module (`put`).
 
-        `kept_at`: the slots whose hits were decided on the host (returned without their
-        entries, which were passed apart), to where their entries are in `kept` (the
-        call's kept entries). Such a node is handed the counters alone (it holds the
-        entries already) and stands for that slot in `new_slots`; any other such slot
-        gets its entries back (`with_entries`). A new module gets a copy of a node
-        handed the counters: it belongs to the module passed in alone."""
+        `decided`: the slots whose hits were decided on the host, returned as their
+        counters alone (their entries, passed apart, are the caller's arrays). Such a
+        node is handed the counters (it holds the entries already) and stands for that
+        slot in `new_slots`; any other such slot is the slot passed in with the new
+        counters. A new module gets a copy of a node handed the counters: it belongs to
+        the module passed in alone."""
         every, nodes = self.nodes_alone, set()
-        for owner, k, leaves in zip(self.owners, self.first, self.slot_leaves):
-            if owner is not None and k in new_slots:
-                if k in kept_at:
-                    hand_over(owner, new_slots[k], HIT_FIELDS)
+        for i, (owner, k) in enumerate(zip(self.owners, self.first)):
+            if k not in new_slots:
+                every = False
+            elif k in decided:
+                if owner is not None:
+                    hand_over(owner, new_slots[k])
                     new_slots[k] = owner
                     nodes.add(k)
                 else:
-                    hand_over(owner, new_slots[k])
-                    every = every and len(leaves_of(new_slots[k])) == len(leaves)
+                    new_slots[k] = self._counted(i, new_slots[k])
+                    every = False
+            elif owner is not None:
+                hand_over(owner, new_slots[k])
+                every = every and len(leaves_of(new_slots[k])) == len(self.slot_leaves[i])
             else:
                 every = False
-        for k, n in kept_at.items():
-            if k not in nodes:
-                new_slots[k] = with_entries(new_slots[k], kept[n])
         if every:
             return self.module
         return self.put({k: replaced(s, {}) if k in nodes else s for k, s in new_slots.items()})
+
+    def _counted(self, i: int, counts: Any) -> Memo:
+        """The `i`-th slot passed, its counters `counts`."""
+        leaves = list(self.slot_leaves[i])
+        leaves[_COUNTS] = counts
+        return jtu.tree_unflatten(self.structures[i], leaves)
 
     def hand_over_empty(self) -> None:
         """Where the call failed after consuming a donated slot: give its node an empty
@@ -295,37 +320,55 @@ class Signature:
             del leaves  # (it holds the slots' arrays: `_split_nested` counts who does)
             return cls._split_nested(module, args, kwargs, donate)
         # Before anything else holds them: which slots' arrays something else holds too.
-        held = [shared(leaves, a, b) if donate and a >= 0 else None for a, b in layout.ranges]
-        statics: list[Any] = leaves[:]
+        if donate:
+            counts = references(leaves)
+            held = [shared(leaves, counts, a, b) if a >= 0 else None for a, b in layout.ranges]
+        else:
+            held = [None] * len(layout.ranges)
         slot_leaves: list[list[Any]] = []
         owners: list[Memo | None] = []
         shared_leaves: list[frozenset[int]] = []
         first: list[int] = []
         seen: dict[int, int] = {}
-        ready = passed_all = True
+        indices: list[int] = []  # per slot, the index of its list of leaves (-1: not passed)
+        structures: list[Any] = []
+        holders = layout.holders
+        ready = True
         for k, (a, b) in enumerate(layout.ranges):
             if a < 0 or not is_value_table(leaves[a]):  # empty, or filtered out
                 ready = False
-                passed_all = passed_all and a < 0
+                indices.append(-1)
                 continue
             value = leaves[a]
             if is_concrete_array(value) and value.is_deleted():
                 ready = False
             index = seen.setdefault(id(value), len(slot_leaves))
+            indices.append(index)
             if index == len(slot_leaves):
                 slot_leaves.append(leaves[a:b])
-                node = layout.node(module, k) if held[k] is not None else None
-                owned = is_memo(node) and object.__getattribute__(node, "value") is value
-                owners.append(node if owned else None)
+                node = held[k]
+                if node is not None:
+                    node = holders.node(module, k, value, node, layout.node)
+                owners.append(node)
                 shared_leaves.append(held[k] or NOBODY)
                 first.append(k)
-            statics[a:b] = _slot_markers(index, b - a)
-        arrays: list[Any] = []
-        for i in layout.others if passed_all else _outside(statics):
-            x = leaves[i]
-            if isinstance(x, ARRAY_TYPES):
-                arrays.append(x)
-                statics[i] = ARRAY
+                structures.append(layout.structures[k])
+        every = len(first) == len(layout.ranges)  # each slot passed as its own leaves
+        arrays = [leaves[i] for i in layout.others]
+        if every and all(map(isinstance, arrays, itertools.repeat(ARRAY_TYPES))):
+            statics: Sequence[Any] = _passed_statics(layout)  # (one object per layout)
+        else:
+            arrays, statics = [], leaves[:]
+            for k, (a, b) in enumerate(layout.ranges):
+                if indices[k] >= 0:
+                    statics[a:b] = _slot_markers(indices[k], b - a)
+            passed_all = all(a < 0 or i >= 0 for (a, _), i in zip(layout.ranges, indices))
+            for i in layout.others if passed_all else _outside(statics):
+                x = leaves[i]
+                if isinstance(x, ARRAY_TYPES):
+                    arrays.append(x)
+                    statics[i] = ARRAY
+            statics = tuple(statics)
         arg_statics, arg_treedef = cls._arguments(args, kwargs, arrays)
 
         def put(new_slots: dict[int, Memo]) -> Any:
@@ -348,7 +391,7 @@ class Signature:
                 leaves[a:b] = x
             return jtu.tree_unflatten(treedef, leaves)
 
-        signature = cls(treedef, tuple(statics), arg_treedef, arg_statics)
+        signature = cls(treedef, statics, arg_treedef, arg_statics)
         return _Split(
             signature,
             arrays,
@@ -359,8 +402,9 @@ class Signature:
             shared_leaves,
             first,
             len(layout.ranges),
-            ready and len(first) == len(layout.ranges),
+            ready and every,
             module,
+            structures,
         )
 
     @classmethod
@@ -373,6 +417,7 @@ class Signature:
         owners: list[Memo | None] = []
         shared_leaves: list[frozenset[int]] = []
         first: list[int] = []
+        structures: list[Any] = []
         seen: dict[int, int] = {}
         statics, memos, ready = [], [], True
         for i, x in enumerate(leaves):
@@ -384,12 +429,15 @@ class Signature:
                     continue
                 if id(x) not in seen:
                     one_slot, slot_treedef = jtu.tree_flatten(x)
-                    held = shared(one_slot, 0, len(one_slot)) if donate else None
+                    held = None
+                    if donate:
+                        held = shared(one_slot, references(one_slot), 0, len(one_slot))
                     seen[id(x)] = len(slot_leaves)
                     slot_leaves.append(one_slot)
                     owners.append(x if held is not None else None)
                     shared_leaves.append(held or NOBODY)
                     first.append(len(memos))
+                    structures.append(slot_treedef)
                 statics.append(_Slot(jtu.tree_structure(x), seen[id(x)]))
                 memos.append(i)
             elif isinstance(x, ARRAY_TYPES):
@@ -417,6 +465,7 @@ class Signature:
             len(memos),
             False,
             module,
+            structures,
         )
 
     @staticmethod
@@ -481,10 +530,8 @@ def _refs(module: Any) -> tuple[Any, ...]:
 
 def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any, ...]) -> bool:
     if not (
-        all(map(operator.is_, last.module_leaves, new.module_leaves))
-        and all(map(operator.is_, last.argument_leaves, new.argument_leaves))
-        and len(last.module_leaves) == len(new.module_leaves)
-        and len(last.argument_leaves) == len(new.argument_leaves)
+        _same_objects(last.module_leaves, new.module_leaves)
+        and _same_objects(last.argument_leaves, new.argument_leaves)
         and last.module == new.module
         and last.arguments == new.arguments
     ):
@@ -498,6 +545,11 @@ def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any
         if old is not None and same_nodes(module, old):
             return True
     return same_structures(new.module, last.module)
+
+
+def _same_objects(one: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    """Whether two tuples hold the same objects, position by position."""
+    return one is other or (len(one) == len(other) and all(map(operator.is_, one, other)))
 
 
 def _is_marker(x: Any) -> bool:
@@ -514,19 +566,6 @@ class _Slot:
 
     treedef: Any
     index: int
-
-
-def without_entries(slot: Memo) -> Memo:
-    """`slot` with what a hit leaves unchanged (its entries) `None`: what leaves the
-    compiled function for a slot whose hit was decided on the host (those are the
-    caller's arrays, kept by its node or given back)."""
-    return replaced(slot, dict.fromkeys(ENTRY_FIELDS))
-
-
-def with_entries(slot: Memo, entries: list[Any]) -> Memo:
-    """`slot` (from `without_entries`) with `entries` (`entry_leaves` of the slot passed
-    in; without the snapshot, last, where it is unused) put back."""
-    return replaced(slot, dict(zip(ENTRY_FIELDS, entries)))
 
 
 def _starts(first: int, slot_leaves: list[list[Any]]) -> dict[int, int]:

@@ -22,6 +22,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._caches import Cache
+from ._donation import Holders
 from ._slot import Memo, is_empty, is_memo
 
 
@@ -65,12 +66,19 @@ class Layout:
     structures: tuple[Any, ...]
     index: dict[Path, int]  # path -> position in the fields above
     leaves: int  # how many leaves the pytree has
+    # What callers derive from the layout alone, computed once per layout by each.
+    derived: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def others(self) -> tuple[int, ...]:
         """The positions of the leaves outside every slot, in order."""
         inside = {i for a, b in self.ranges for i in range(a, b)}
         return tuple(i for i in range(self.leaves) if i not in inside)
+
+    @functools.cached_property
+    def holders(self) -> Holders:
+        """The slot nodes found at each position at the last call (`_donation.Holders`)."""
+        return Holders(len(self.ranges))
 
     def node(self, tree: Any, k: int) -> Any:
         """The `k`-th slot node of `tree` (None where its path cannot be followed)."""
