@@ -147,6 +147,31 @@ def test_the_threaded_loop_gets_back_the_module_it_passed():
     assert not any(x.is_deleted() for x in jax.tree.leaves(alias))
 
 
+def test_a_slot_node_found_without_a_walk_is_the_one_in_the_module_passed():
+    # A donating call finds each slot node again from the last call (`_donation.Holders`)
+    # only where the reference counts prove it the node of the module passed in: a copy
+    # of the module (new nodes holding the same arrays) is handed its own returned slots,
+    # and the module it was copied from, still held, keeps readable arrays.
+    c = Counter()
+    step = memox.jit(lambda h, x: h.f.b() * x)
+    h = memox.init(Holder(jnp.ones(2), foo(c)))
+    for i in range(3):
+        _, h = step(h, jnp.float32(i))
+    copy = jax.tree.map(lambda x: x, h)  # new slot nodes, the same arrays
+    assert copy.f.b_cache is not h.f.b_cache
+    for i in range(3):
+        y, copy = step(copy, jnp.float32(i))
+        assert float(y) == 36.0 * i
+    assert memox.stats(copy)["f.b_cache"].hits == 5 and memox.stats(h)["f.b_cache"].hits == 2
+    alone = jax.tree.map(lambda x: x, copy)
+    del copy  # (`alone`'s nodes now hold the arrays by themselves)
+    for _ in range(2):
+        y, back = step(alone, jnp.float32(1))
+        assert back is alone and float(y) == 36.0
+    assert memox.stats(alone)["f.b_cache"].hits == 7 and c.n == 1
+    assert not any(x.is_deleted() for t in (h, alone) for x in jax.tree.leaves(t))
+
+
 class _Pair(eqx.Module):
     p: Foo
     q: Foo
