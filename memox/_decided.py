@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -67,16 +68,22 @@ class _Value:
 
     def __init__(self, table: Any, index: Any, spec: Spec, value: Any = None):
         self._table, self._index, self._spec = weakref.ref(table), index, spec
-        self._known = None if value is None else (value, jtu.tree_leaves(value))
+        self._known = None if value is None else self._knowing(value)
 
-    def get(self) -> Any:
+    def _knowing(self, value: Any) -> tuple[Any, list[Any], Decided]:
+        return value, jtu.tree_leaves(value), Decided(self._index, value)
+
+    def get(self) -> Decided:
+        """The entry's index and value, as a program of a decided hit takes them."""
         known = self._known  # (one read: another thread may replace it)
-        if known is None or any(x.is_deleted() for x in known[1]):
+        if known is None or any(map(_IS_DELETED, known[1])):
             table = self._table()
             assert table is not None  # (a call passed it)
-            value = read_entry(table, self._index, self._spec)
-            known = self._known = (value, jtu.tree_leaves(value))
-        return known[0]
+            known = self._known = self._knowing(read_entry(table, self._index, self._spec))
+        return known[2]
+
+
+_IS_DELETED = operator.methodcaller("is_deleted")
 
 
 # At most this many programs per signature specialised on hits decided on the host (the
@@ -140,7 +147,7 @@ class Hits:
             if len(variants) >= MAX_VARIANTS - 1 or across_processes(inputs):
                 return (), []
             variants.add(hits)
-        return hits, [Decided(record.index, record.value.get()) for record in found]
+        return hits, [record.value.get() for record in found]
 
     def learn(
         self,

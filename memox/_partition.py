@@ -175,7 +175,7 @@ class _Split:
         if not hits:
             return self.slot_leaves, []
         out = list(self.slot_leaves)
-        starts = _starts(len(self.arrays), out)
+        starts = self.signature.starts(len(self.arrays), out)
         kept = []
         for h in hits:
             i = starts[h.entries[0]]
@@ -193,7 +193,8 @@ class _Split:
         out = []
         for i, leaves in enumerate(slot_leaves):
             owner = self.owners[i]
-            if owner is not None and all(leaves[j] is None for j in self.shared[i]):
+            held = self.shared[i]
+            if owner is not None and (held is NOBODY or all(leaves[j] is None for j in held)):
                 out.append(leaves)
             elif owner is None and not _concrete(leaves):
                 out.append(leaves)
@@ -301,6 +302,15 @@ class Signature:
             return token((self.module, self.arguments, tuple(statics)))
         except (TypeError, ValueError):  # no exact token (several processes): `==`
             return _LOOSE
+
+    def starts(self, n_arrays: int, slot_leaves: list[list[Any]]) -> dict[int, int]:
+        """`_starts` of a call of this signature (the same at every such call: the
+        signature fixes how many arrays and slot leaves it passes), computed once."""
+        found = self.__dict__.get("_starts")
+        if found is None:
+            found = _starts(n_arrays, slot_leaves)
+            object.__setattr__(self, "_starts", found)
+        return found
 
     @functools.cached_property
     def exact_modules(self) -> bool:
