@@ -16,9 +16,9 @@ was donated and given its returned slot (`_Split.hand_over`), the module passed 
 what the call returned, and nothing is spliced.
 
 The entries of a slot whose hit was decided on the host are passed apart (read, not
-donated), put back inside the trace (`refilled`), and leave the compiled function as
-`None` (`without_entries`): a donated slot node keeps them and is handed only the
-counters; anywhere else the wrapper gives back the caller's arrays (`with_entries`).
+donated) and put back inside the trace (`refilled`); the slot leaves the compiled
+function as its counters alone: a donated slot node keeps its entries and is handed the
+counters; anywhere else the slot passed in is rebuilt with them (`_Split._counted`).
 """
 
 from __future__ import annotations
