@@ -125,7 +125,8 @@ class Memo(eqx.Module, Generic[T]):
     by `memox.call` or `memox.jit` when its cached method runs, allocated in advance by
     `memox.init`, invalidated by `memox.clear`, and read by `memox.stats`. Its contents
     are integer and boolean arrays only, so optimizers and `eqx.filter_grad` never see
-    them.
+    them. A field declared `Memo[T] | None` may hold `None`: that instance has no slot,
+    and its cached method computes at every call, with no warning.
 
     !!! Example
 
