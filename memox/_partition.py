@@ -122,10 +122,17 @@ def _passed_statics(layout: Layout) -> tuple[Any, ...]:
     found = layout.derived.get("statics")
     if found is None:
         statics: list[Any] = [ARRAY] * layout.leaves
-        for index, (a, b) in enumerate(layout.ranges):
-            statics[a:b] = _slot_markers(index, b - a)
+        _mark_slots(statics, layout, range(len(layout.ranges)))
         found = layout.derived["statics"] = tuple(statics)
     return found
+
+
+def _mark_slots(statics: list[Any], layout: Layout, indices: Iterable[int]) -> None:
+    """Put into `statics` each slot's leaf markers, the slot passed as the `index`-th
+    list of leaves (`indices`, per slot of `layout`; -1 where it is not passed)."""
+    for index, (a, b) in zip(indices, layout.ranges):
+        if index >= 0:
+            statics[a:b] = _slot_markers(index, b - a)
 
 
 def _outside(statics: list[Any]) -> list[int]:
@@ -369,9 +376,7 @@ class Signature:
             statics: Sequence[Any] = _passed_statics(layout)  # (one object per layout)
         else:
             arrays, statics = [], leaves[:]
-            for k, (a, b) in enumerate(layout.ranges):
-                if indices[k] >= 0:
-                    statics[a:b] = _slot_markers(indices[k], b - a)
+            _mark_slots(statics, layout, indices)
             passed_all = all(a < 0 or i >= 0 for (a, _), i in zip(layout.ranges, indices))
             for i in layout.others if passed_all else _outside(statics):
                 x = leaves[i]

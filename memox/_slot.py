@@ -263,8 +263,8 @@ def is_memo_annotation(annotation: Any) -> bool:
     `None` (`Memo[...] | None`, `Optional[Memo[...]]`), as a string too (the same answer
     with and without `from __future__ import annotations`)."""
     members = _union_members(annotation)
-    slots = [m for m in members if _is_memo_type(m)]
-    return bool(slots) and all(_is_none(m) for m in members if not _is_memo_type(m))
+    kinds = [_is_memo_type(m) for m in members]
+    return any(kinds) and all(kind or _is_none(m) for kind, m in zip(kinds, members))
 
 
 def admits_none(annotation: Any) -> bool:
@@ -281,7 +281,8 @@ def _union_members(annotation: Any) -> list[Any]:
         annotation = name
     if not isinstance(annotation, str):
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-            return list(typing.get_args(annotation))
+            # (a member may itself be a forward reference: Python 3.14's lazy annotations)
+            return [m for arg in typing.get_args(annotation) for m in _union_members(arg)]
         return [annotation]
     text = annotation.strip()
     members = _top_level(text, "|")
