@@ -97,7 +97,8 @@ def layout(treedef: Any) -> Layout | None:
     rebuilding the pytree with integers for leaves; None where its nodes refuse that)."""
     try:
         found: Layout | None = _layouts.get(treedef, _UNKNOWN)  # (one hash of `treedef`)
-    except Exception:  # static fields that cannot be compared (a NumPy array): walked
+    except Exception:  # compared with an equal-hash structure whose static fields
+        # cannot be compared (a NumPy array): walked
         return None
     if found is not _UNKNOWN:
         return found
