@@ -308,12 +308,12 @@ class _FilterJit(eqx.Module):
 
     fun: Callable  # may hold arrays: traced
     _program: _Program = eqx.field(static=True, repr=False)
-    _signature: inspect.Signature = eqx.field(static=True, repr=False)
+    _binding: _Binding = eqx.field(static=True, repr=False)
     _donate: Donate = eqx.field(static=True, repr=False)
 
     @classmethod
     def make(cls, fun: Callable, donate: Donate) -> Any:
-        wrapper = cls(fun, _program(fun, donate), inspect.signature(fun), donate)
+        wrapper = cls(fun, _program(fun, donate), _Binding.of(fun), donate)
         return eqx.module_update_wrapper(wrapper)
 
     @property
@@ -336,6 +336,39 @@ class _FilterJit(eqx.Module):
         if instance is None:
             return self
         return eqx.Partial(self, instance)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Binding:
+    """Binds a call's arguments to `fun`'s parameters, as `inspect.Signature.bind` does
+    and as Equinox binds them before keying its programs. Positional arguments alone, as
+    many as the signature takes positionally and no fewer than it requires, bind to
+    themselves: that call skips `bind`, which costs microseconds."""
+
+    signature: inspect.Signature
+    fewest: int | float  # positional arguments required; infinite where one is keyword-only
+    most: int | float  # positional arguments taken; infinite with `*args`
+
+    @classmethod
+    def of(cls, fun: Callable) -> _Binding:
+        signature = inspect.signature(fun)
+        fewest: int | float = 0
+        most: int | float = 0
+        for p in signature.parameters.values():
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                most += 1
+                fewest += p.default is p.empty
+            elif p.kind is p.VAR_POSITIONAL:
+                most = float("inf")
+            elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+                fewest = float("inf")
+        return cls(signature, fewest, most)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not kwargs and self.fewest <= len(args) <= self.most:
+            return args, kwargs
+        bound = self.signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
 
 
 # The steps of a call are functions, not methods: a method of an `eqx.Module` is bound
@@ -364,8 +397,7 @@ def _run(wrapper: _FilterJit, prepared: _Prepared) -> tuple[_Prepared, Any]:
 
 def _prepared(wrapper: _FilterJit, args: tuple, kwargs: dict, revive: bool = False) -> _Prepared:
     fun, donate, program = wrapper.fun, wrapper._donate, wrapper._program
-    bound = wrapper._signature.bind(*args, **kwargs)
-    args, kwargs = bound.args, bound.kwargs
+    args, kwargs = wrapper._binding.bind(args, kwargs)
     call, given = _Call.split(fun, args, kwargs, donate)
     if call.empty_slots or revive:  # rare: allocate empty slots first (once per object)
         args = tuple(map(allocated_once, args))
@@ -496,7 +528,7 @@ class _Call:
         leaves, treedef = jtu.tree_flatten((fun, args, kwargs))
         arrays: list[Any] = []
         statics = hashable_partition(leaves, arrays)
-        empty = holds_empty((fun, args, kwargs), treedef)
+        empty = holds_empty((fun, args, kwargs), leaves, treedef)
         first = (0, 0)
         if donate.endswith("except-first") and args:
             start = sum(map(eqx.is_array, jtu.tree_leaves(fun)))

@@ -1,5 +1,6 @@
 """`memox.filter_jit`: `eqx.filter_jit`'s results, unchanged inputs fingerprinted outside."""
 
+import inspect
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -254,6 +255,45 @@ def test_static_and_keyword_arguments_and_non_array_outputs():
     out, f = fn(f, jnp.float32(3), power=3, label="c")  # static arguments: retraces
     # (the second trace: the program for the hit decided on the host)
     assert set(out) == {"c", "n", "none"} and traces.seen == [2, 2, 3] and c.n == 1
+
+
+def _signatures():
+    def plain(a, b): ...
+    def defaults(a, b=1, c=2): ...
+    def positional_only(a, /, b=1): ...
+    def var_args(a, *rest): ...
+    def keyword_only(a, *, k): ...
+    def keyword_default(a, *, k=1): ...
+    def var_kwargs(a, **kw): ...
+    def nothing(): ...
+
+    return [
+        plain,
+        defaults,
+        positional_only,
+        var_args,
+        keyword_only,
+        keyword_default,
+        var_kwargs,
+        nothing,
+    ]
+
+
+@pytest.mark.parametrize("fun", _signatures(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("kwargs", [{}, {"a": 0}, {"k": 0}], ids=["no keywords", "a=", "k="])
+def test_arguments_bind_as_inspect_binds_them(fun, kwargs):
+    """The call a program is keyed by: what `inspect.Signature.bind` gives, or its error."""
+    binding = memox._filter_jit._Binding.of(fun)
+    signature = inspect.signature(fun)
+    for n in range(5):
+        args = tuple(range(10, 10 + n))
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            with pytest.raises(TypeError, match=re.escape(str(e))):
+                binding.bind(args, kwargs)
+        else:
+            assert binding.bind(args, kwargs) == (bound.args, bound.kwargs)
 
 
 def test_numpy_inputs_passed_through_come_back_as_jax_arrays():

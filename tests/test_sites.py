@@ -11,7 +11,7 @@ import pytest
 from helpers import Checked, Counter, Foo, foo
 
 import memox
-from memox import _sites
+from memox import _sites, _slot
 
 
 class Tabled(eqx.Module):
@@ -145,3 +145,28 @@ def test_replacing_a_slot_copies_only_the_nodes_on_its_path(name):
             assert node is old[path], path  # everything else: the very object
     # The tree passed in still holds its own slots.
     assert all(s.slot is t.slot for s, t in zip(sites, _sites.slot_sites(tree)))
+
+
+def _with_or_without_empty_slots():
+    """Trees, and whether each holds a slot still to allocate."""
+    c = Counter()
+    filled = memox.call(foo(c), Foo.b)[1]
+    return {
+        "an empty slot": (foo(c), True),
+        "a filled slot": (filled, False),
+        "one of each": ([filled, foo(c)], True),
+        "an empty slot come back as an array": (jax.device_put(foo(c)), True),
+        "a slot filtered out": (eqx.filter(filled, eqx.is_inexact_array), False),
+        "a slot's marker in a container": (
+            eqx.tree_at(lambda m: m.b_cache.value, foo(c), (memox.Memo().value,)),
+            True,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_with_or_without_empty_slots()))
+def test_whether_a_tree_holds_an_empty_slot_is_what_a_walk_finds(name):
+    tree, expected = _with_or_without_empty_slots()[name]
+    walked = any(_slot.is_empty(x) for x in jtu.tree_leaves(tree, is_leaf=_slot.is_memo))
+    leaves, treedef = jtu.tree_flatten(tree)
+    assert _sites.holds_empty(tree, leaves, treedef) == walked == expected
