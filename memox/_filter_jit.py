@@ -555,16 +555,19 @@ class _Call:
         return jtu.tree_unflatten(self.treedef, hashable_combine(self.leaves, iter(arrays)))
 
 
-class _Out(eqx.Module):
-    """The compiled function's outputs other than its arrays: carried in its tree
-    structure (static). `vouched`: the slots whose state after the call the host records
-    (`_decided.Hits`), with the positions of their entries among the output's leaves;
-    `copies`: (output leaf, input) where an output is a copy of an input a check reads."""
+@dataclasses.dataclass(frozen=True)
+class _Out:
+    """The compiled function's outputs other than its arrays: one leaf that is not an
+    array, which Equinox returns as it is (static; not a pytree node, so nothing to
+    flatten at each call). `vouched`: the slots whose state after the call the host
+    records (`_decided.Hits`), with the positions of their entries among the output's
+    leaves; `copies`: (output leaf, input) where an output is a copy of an input a check
+    reads."""
 
-    treedef: Any = eqx.field(static=True)
-    leaves: tuple[Any, ...] = eqx.field(static=True)
-    vouched: tuple[tuple[_decided.Held, tuple[int, ...]], ...] = eqx.field(static=True)
-    copies: tuple[tuple[int, int], ...] = eqx.field(static=True)
+    treedef: Any
+    leaves: tuple[Any, ...]
+    vouched: tuple[tuple[_decided.Held, tuple[int, ...]], ...]
+    copies: tuple[tuple[int, int], ...]
 
 
 def _slots_in(tree: Any) -> tuple[list[Memo], list[bool]]:
