@@ -153,12 +153,18 @@ def same_nodes(new: Any, old: Any) -> bool:
     return True
 
 
-def same_structures(new: Any, old: Any) -> bool:
-    """Whether tree structures `new` and `old`, equal by `==`, hold exactly the same data
-    in every node: `same_nodes` for the structures alone, where no earlier pytree is at
-    hand (a training loop's optimizer state is a new tuple at every call)."""
-    one, other = node_data(new), node_data(old)
-    return len(one) == len(other) and all(map(_same_data, one, other))
+def same_structures(new: Any, old: list[Any]) -> bool:
+    """Whether tree structure `new` holds exactly the data `old` holds in every node
+    (`old`: the `node_data` of a structure equal to `new` by `==`): `same_nodes` for the
+    structures alone, where no earlier pytree is at hand (a training loop's optimizer
+    state is a new tuple at every call)."""
+    one = node_data(new)
+    if len(one) != len(old):
+        return False
+    for a, b in zip(one, old):
+        if a is not b and not _same_data(a, b):
+            return False
+    return True
 
 
 def _same_data(a: Any, b: Any) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ._caches import Cache
 from ._donation import NOBODY, hand_over, references, shared
-from ._jax_internals import is_concrete_array
+from ._jax_internals import is_concrete_array, node_data
 from ._key import exact_under_eq, same, same_nodes, same_structures
 from ._sites import Layout, layout as layout_of, replace_slots, with_nodes
 from ._slot import FIELDS, Memo, is_memo, is_value_table, leaves_of, replaced
@@ -329,6 +329,17 @@ class Signature:
         """Whether `==` is exact on the arguments' tree structure."""
         return exact_under_eq(self.arguments)
 
+    @functools.cached_property
+    def module_data(self) -> list[Any]:
+        """The data of every node of the module's tree structure (`node_data`), read once:
+        each call of a loop compares its own with the last signature's."""
+        return node_data(self.module)
+
+    @functools.cached_property
+    def argument_data(self) -> list[Any]:
+        """The data of every node of the arguments' tree structure, read once."""
+        return node_data(self.arguments)
+
     @classmethod
     def split(cls, module: Any, args: tuple, kwargs: dict, donate: bool) -> _Split:
         leaves, treedef = jtu.tree_flatten(module)
@@ -551,7 +562,7 @@ def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any
         and last.arguments == new.arguments
     ):
         return False
-    if not last.exact_arguments and not same_structures(new.arguments, last.arguments):
+    if not last.exact_arguments and not same_structures(new.arguments, last.argument_data):
         return False
     if last.exact_modules:
         return True
@@ -559,7 +570,7 @@ def _provably_same(last: Signature, new: Signature, module: Any, refs: tuple[Any
         old = ref()
         if old is not None and same_nodes(module, old):
             return True
-    return same_structures(new.module, last.module)
+    return same_structures(new.module, last.module_data)
 
 
 def _same_objects(one: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
