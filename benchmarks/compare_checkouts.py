@@ -4,7 +4,8 @@
     python benchmarks/compare_checkouts.py /tmp/before . [--reps 2] [--rounds 20]
 
 For each chain of s12 (10 and 1000 leaves with one slot; 200 leaves with 10 and 100
-slots), each checkout measures in a fresh process, the two alternating, `--reps` times.
+slots), each checkout measures in a fresh process, the two alternating, `--reps` times,
+which runs first swapped at each repetition.
 Each process imports memox and the s12 scenario from its own checkout and reports its
 per-call medians over the reference (`eqx.filter_jit` of the unmemoized forward pass)
 measured in the same process, so the ratios of the two checkouts are comparable even
@@ -76,7 +77,10 @@ def main() -> None:
     ratios: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     for leaves, slots in CHAINS:
         for rep in range(options.reps):
-            for name, tree in trees.items():
+            # Each repetition swaps which checkout runs first: a process's place in the
+            # sequence moves its figures, the same way each time.
+            order = list(trees.items()) if rep % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
                 got = measure(tree, leaves, slots, options.rounds)
                 ratios.setdefault((leaves, slots, name), []).append(got)
                 shown = ", ".join(f"{v}: {r:.2f}x" for v, r in got.items())
