@@ -64,6 +64,13 @@ def arguments(doc: str, reps: int, rounds: int) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def in_turn(trees: dict[str, Path], rep: int) -> list[tuple[str, Path]]:
+    """The checkouts in the order repetition `rep` runs them: swapped at each one, since a
+    process's place in the sequence moves its figures, the same way each time."""
+    order = list(trees.items())
+    return order if rep % 2 == 0 else order[::-1]
+
+
 def measure(tree: Path, leaves: int, slots: int, rounds: int) -> dict[str, float]:
     """Per-call time over the reference's, of each variant, in a fresh process."""
     per_call = run_in(tree, _ONE, str(leaves), str(slots), str(rounds))
@@ -77,10 +84,7 @@ def main() -> None:
     ratios: dict[tuple[int, int, str], list[dict[str, float]]] = {}
     for leaves, slots in CHAINS:
         for rep in range(options.reps):
-            # Each repetition swaps which checkout runs first: a process's place in the
-            # sequence moves its figures, the same way each time.
-            order = list(trees.items()) if rep % 2 == 0 else list(trees.items())[::-1]
-            for name, tree in order:
+            for name, tree in in_turn(trees, rep):
                 got = measure(tree, leaves, slots, options.rounds)
                 ratios.setdefault((leaves, slots, name), []).append(got)
                 shown = ", ".join(f"{v}: {r:.2f}x" for v, r in got.items())

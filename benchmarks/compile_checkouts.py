@@ -11,9 +11,10 @@ Two programs, each lowered anew and compiled `--rounds` times per process:
 - s12's chain of 200 leaves with 100 slots: the first program of `memox.jit`, against
   `eqx.filter_jit` of the unmemoized forward pass.
 
-Each checkout measures in a fresh process, the two alternating, `--reps` times. A
-compile is timed in CPU seconds of the process (`time.process_time`), which the other
-tenants of a shared machine do not inflate, and in wall seconds. Prints each run's
+Each checkout measures in a fresh process, the two alternating, `--reps` times, which
+runs first swapped at each repetition. A compile is timed in CPU seconds of the process
+(`time.process_time`), which the other tenants of a shared machine do not inflate, and
+in wall seconds. Prints each run's
 medians over the unmemoized program compiled in the same process, then the medians of
 the runs.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from compare_checkouts import arguments, run_in
+from compare_checkouts import arguments, in_turn, run_in
 
 
 # Run in each checkout's own process: its memox, its s12 and s13.
@@ -81,7 +82,7 @@ def main() -> None:
     trees = {"before": options.before.resolve(), "after": options.after.resolve()}
     runs: dict[str, list[dict[str, tuple[float, float]]]] = {name: [] for name in trees}
     for rep in range(options.reps):
-        for name, tree in trees.items():
+        for name, tree in in_turn(trees, rep):
             got = measure(tree, options.rounds)
             runs[name].append(got)
             shown = ", ".join(f"{v}: {c:.2f}x CPU, {w:.2f}x wall" for v, (c, w) in got.items())

@@ -40,7 +40,6 @@ import functools
 from collections.abc import Callable
 from typing import Any, Concatenate, overload
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
@@ -49,7 +48,7 @@ from ._caches import ByIdentity
 from ._call import changed_slots, check_fn, check_module, check_slots_first, run
 from ._donation import exclusive
 from ._lifecycle import allocated
-from ._partition import Signature, Signatures, refilled
+from ._partition import Signature, Signatures, hashable_combine, hashable_partition, refilled
 from ._sites import slots
 from ._slot import fields_of
 from ._table import entry_leaves
@@ -204,7 +203,7 @@ class _Jit:
             split.hand_over_empty()
             raise
         self._inputs.register(split.arrays)
-        result, vouched, decided_slots = static_out.value
+        treedef, statics, vouched, decided_slots = static_out.value
         new_module = split.hand_over(new_slots, decided_slots)
         vouched = [
             (h, new_slots[k], i)
@@ -215,8 +214,7 @@ class _Jit:
         self._signatures.returned(split.signature, new_module)
         if given is not None:
             self._latest.put(given, new_module)
-        # (`result`: the result's non-array leaves, None where it has none)
-        return (dynamic if result is None else eqx.combine(dynamic, result)), new_module
+        return jtu.tree_unflatten(treedef, hashable_combine(statics, iter(dynamic))), new_module
 
     def lower(self, module: Any, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The program that a call on these arguments would run now, lowered (JAX's
@@ -264,11 +262,13 @@ class _Body:
             final = {path: changed.get(path, slot) for path, slot in slots(module).items()}
             held = scope.held(list(final.values()), keeps_indices=True)
         new_slots, counted = self._returned(final, changed, kept)
-        dynamic, static_out = eqx.partition(result, eqx.is_array)
-        if not jtu.tree_leaves(static_out):  # (then `dynamic` is the result: no combine)
-            static_out = None
+        # The result as its arrays and the rest: the wrapper rebuilds it with one
+        # unflatten, where splitting it into two trees would flatten both at every call.
+        leaves, treedef = jtu.tree_flatten(result)
+        dynamic: list[Any] = []
+        statics = hashable_partition(leaves, dynamic)
         vouched = tuple((h, k) for h, k, _ in held)
-        static_out = _Static((static_out, vouched, counted))
+        static_out = _Static((treedef, statics, vouched, counted))
         return dynamic, static_out, new_slots, [i for _, _, i in held]
 
     def _returned(self, final: dict, changed: dict, kept: list) -> tuple[dict, frozenset]:
