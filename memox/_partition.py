@@ -363,6 +363,7 @@ class Signature:
         holders = layout.holders
         ready = True
         for k, (a, b) in enumerate(layout.ranges):
+            # (a slot's first leaf is its `value`: `_sites.holds_empty` reads it so too)
             if a < 0 or not is_value_table(leaves[a]):  # empty, or filtered out
                 ready = False
                 indices.append(-1)

@@ -58,17 +58,14 @@ def follow(node: Any, path: Path) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the slots are in a pytree of one tree structure, in flattening order: the
-    range of leaves of each (`(-1, -1)` where it has none), its path, the tree structure
-    of the slot itself, and which leaf is its `value` field."""
+    range of leaves of each (`(-1, -1)` where it has none), its path, and the tree
+    structure of the slot itself."""
 
     ranges: tuple[tuple[int, int], ...]
     paths: tuple[Path, ...]
     structures: tuple[Any, ...]
     index: dict[Path, int]  # path -> position in the fields above
     leaves: int  # how many leaves the pytree has
-    # Per slot, the position of its `value` among the leaves (-1 where it is `None`);
-    # None where some slot's `value` is not one leaf.
-    values: tuple[int, ...] | None
     # What callers derive from the layout alone, computed once per layout by each.
     derived: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -107,23 +104,15 @@ def layout(treedef: Any) -> Layout | None:
         return found
     try:
         tree = jtu.tree_unflatten(treedef, range(treedef.num_leaves))
-        ranges, paths, structures, values = [], [], [], []
+        ranges, paths, structures = [], [], []
         for path, x in jtu.tree_flatten_with_path(tree, is_leaf=is_memo)[0]:
             if is_memo(x):
                 idx: list[int] = jtu.tree_leaves(x)
                 ranges.append((idx[0], idx[-1] + 1) if idx else (-1, -1))
                 paths.append(path)
                 structures.append(jtu.tree_structure(x))
-                values.append(-1 if x.value is None else x.value if type(x.value) is int else None)
         index = {path: k for k, path in enumerate(paths)}
-        found = Layout(
-            tuple(ranges),
-            tuple(paths),
-            tuple(structures),
-            index,
-            treedef.num_leaves,
-            None if None in values else tuple(values),
-        )
+        found = Layout(tuple(ranges), tuple(paths), tuple(structures), index, treedef.num_leaves)
     except Exception:  # a node that checks its leaves: walked node by node
         found = None
     return _layouts.put(treedef, found)
@@ -183,16 +172,13 @@ def slot_sites(tree: PyTree) -> Iterator[SlotSite]:
 
 def holds_empty(tree: PyTree, leaves: list[Any], treedef: Any) -> bool:
     """Whether `tree` (of leaves `leaves` and structure `treedef`) holds a slot still to
-    allocate (`is_empty`): its `value` read among the leaves where the layout says which
-    it is, else each slot found down its path. No test of every leaf, and the markers
-    found in whatever container they came back."""
+    allocate (`is_empty`). Where the layout is known, a slot's first leaf is its `value`,
+    its first field, as `memox.jit` reads it (`_partition.Signature.split`): no walk, and
+    the markers found in whatever container they came back."""
     found = layout(treedef)
-    if found is not None and found.values is not None:
-        return any(not is_value_table(leaves[i]) for i in found.values if i >= 0)
-    located = None if found is None else _located(tree, found)
-    if located is None:
+    if found is None:
         return any(map(is_empty, slots(tree).values()))
-    return any(is_empty(slot) for _, _, slot in located)
+    return any(a >= 0 and not is_value_table(leaves[a]) for a, _ in found.ranges)
 
 
 def _located(tree: PyTree, found: Layout) -> list[tuple[Path, Any, Memo]] | None:
