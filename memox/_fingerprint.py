@@ -34,8 +34,11 @@ of one column of a 1024-wide matrix.)
 reduction (`lax.reduce` over both at once) over the trailing axes of the words as they
 lie, the position key computed from each axis' index: XLA fuses the bit-cast, the keys,
 the mix and both sums into a single loop that reads each word once (on CPU, split
-across threads over the leading axis); the per-row lanes are then summed plainly. Two
-separate sums over the whole array (`jnp.sum`) do not fuse on XLA:CPU: its
+across threads over the leading axis); the per-row lanes are then summed plainly. An
+array of at most `ONE_PASS_WORDS` words on a single device is reduced over every axis
+at once: one kernel, where splitting it across threads costs more than it saves, and
+fewer kernels for XLA to compile per check. Two separate sums over the whole array
+(`jnp.sum`) do not fuse on XLA:CPU: its
 tree-reduction rewrite (not applied to variadic reductions) turns each into
 `reduce-window`s over a materialised operand, so the bit-cast array and the mixed array
 were written out whole (64 MB float32: ~30 ms, against ~2.5 ms for a float sum of the
@@ -111,13 +114,23 @@ def _terms(w: Any, key: Any, u32: Any) -> tuple[Any, Any]:
 def _finish(lane0: Any, lane1: Any, n: int, xp: types.ModuleType) -> Any:
     u32 = xp.uint32
     size = u32(n & 0xFFFFFFFF)
-    return _mix(xp.stack([lane0 ^ size, lane1 ^ size ^ u32(_C)]), u32)
+    # Each lane mixed, then joined: `combine` reads the lanes back, and XLA then fuses
+    # both steps into one kernel (a mix after joining kept them two). As arrays of one
+    # element: NumPy warns of the wrap-around in a product of scalars.
+    lanes = xp.reshape(lane0 ^ size, 1), xp.reshape(lane1 ^ size ^ u32(_C), 1)
+    return xp.concatenate([_mix(lane, u32) for lane in lanes])
 
 
 def _sum2(a: Array, b: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
     """Both lanes' sums in ONE variadic reduction: XLA fuses it with the words' mix."""
     zero = jnp.uint32(0)
     return lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), axes)
+
+
+# Up to this many words on a single device, a fingerprint is one reduction over every
+# axis (one kernel); past it, rows first, then their sums, which XLA:CPU runs across
+# threads (see the module's docstring). Integer sums in any order give the same bits.
+ONE_PASS_WORDS = 1 << 17
 
 
 def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
@@ -133,6 +146,12 @@ def _device_fingerprint(w: UInt32[Array, "*shape"]) -> UInt32[Array, 2]:
         term = lax.broadcasted_iota(u32, w.shape, axis) * u32((stride * _K) & 0xFFFFFFFF)
         key = term if key is None else key + term
         stride *= w.shape[axis]
+    if w.size <= ONE_PASS_WORDS and jax.device_count() == 1:
+        # One reduction over every axis: one kernel. Only where nothing can be sharded:
+        # XLA combines a sharded array's partial sums by one all-reduce in the two steps
+        # below, and by gathering them for a reduction over every axis.
+        lane0, lane1 = _sum2(*_terms(w, key, u32), tuple(range(w.ndim)))
+        return _finish(lane0, lane1, w.size, jnp)
     # One fused pass over the trailing axes (on CPU split across threads over the
     # leading one), then the leading axis summed plainly: where that axis is sharded (as
     # parameters usually are), XLA combines both sums into one all-reduce of two words.

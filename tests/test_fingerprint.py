@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import memox
 from memox._fingerprint import (
     HOST_HASH_MAX_SIZE,
+    ONE_PASS_WORDS,
     array_fingerprint,
     combine,
     fingerprint,
@@ -129,10 +130,11 @@ def test_pytree_values_pack_into_bytes():
     ["float32", "float64", "int8", "uint8", "int16", "bool", "float16", "bfloat16"]
     + ["complex64", "complex128", "int64", "uint32"],
 )
-@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4), (257, 515)])
 def test_host_and_device_fingerprints_agree_bit_for_bit(dtype, shape):
     # Small concrete arrays are hashed in NumPy (`known`), large ones and tracers by XLA:
-    # a slot filled one way must hit when checked the other way.
+    # a slot filled one way must hit when checked the other way. The last shape is past
+    # `ONE_PASS_WORDS`: the device sums its rows, then their sums.
     rng = np.random.default_rng(sum(shape) + len(dtype))
     with jax.enable_x64(True):
         x = jnp.asarray((100 * rng.normal(size=shape)).astype(jnp.dtype(dtype)))
@@ -193,16 +195,21 @@ def test_one_element_changes_at_random_positions_are_detected(dtype):
         assert not np.array_equal(np.asarray(array_fingerprint(jnp.asarray(changed))), fp_device)
 
 
-def test_the_device_hash_is_one_fused_pass():
+@pytest.mark.parametrize("rows", [64, 256])
+def test_the_device_hash_is_one_fused_pass(rows):
     # Guards the throughput (not timed here): both lanes are one variadic reduction that
     # XLA fuses with the bit-cast and the mix; nothing of the array's size is written.
     # (Two `jnp.sum`s became `reduce-window`s over a materialised mixed array on
-    # XLA:CPU, ~13x slower at 64 MB.)
-    x = jnp.zeros((64, 1027), jnp.float32)
+    # XLA:CPU, ~13x slower at 64 MB.) Up to `ONE_PASS_WORDS` words on one device it
+    # reduces every axis; past it, each row, which XLA:CPU splits across threads.
+    x = jnp.zeros((rows, 1027), jnp.float32)
+    assert (x.size <= ONE_PASS_WORDS) == (rows == 64)
+    one_pass = x.size <= ONE_PASS_WORDS and jax.device_count() == 1
+    lanes = "(u32[], u32[])" if one_pass else f"(u32[{rows}]{{0}}, u32[{rows}]{{0}})"
     hlo = jax.jit(array_fingerprint).lower(x).compile().as_text()
     entry = hlo[hlo.index("ENTRY") :]
-    assert "[64,1027]" not in entry.split("parameter(0)", 1)[1]
-    assert "(u32[64]{0}, u32[64]{0}) fusion(" in entry
+    assert f"[{rows},1027]" not in entry.split("parameter(0)", 1)[1]
+    assert f"{lanes} fusion(" in entry
 
 
 @pytest.mark.parametrize("dtype", ["int2", "uint2", "int4", "uint4", "float4_e2m1fn"])
