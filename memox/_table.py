@@ -215,13 +215,16 @@ def holding(slot: Memo, key: Array) -> Array:
     return lookup(slot, key, jnp.ones(slot.key.shape[:-1], jnp.bool_))[1]
 
 
+@jax.jit
 def counts_after(counts: Array, index: Array, hit: ArrayLike) -> Array:
     """`counts` after a use of entry `index`: a hit where `hit` holds, else a store. A hit
     ages the entry by one and counts a hit; a store makes its age 0 and counts a miss;
     both make its last use the clock (hits and misses so far). Elementwise, so XLA runs
     it as one operation (an update at `index` would be one per counter), fused with its
     neighbours: in a traced call it follows the branch, with `hit` the branch's
-    predicate, so that neither branch has an operation of its own for it."""
+    predicate, so that neither branch has an operation of its own for it. Jitted: the
+    slots of one trace with counters of one shape share its trace and its lowering, and
+    XLA inlines the call before it fuses."""
     k = counts.shape[0] - 1
     # Column by column and row by row, then put together: no mask of rows or columns,
     # which XLA would hoist out of a loop as kernels of their own.
