@@ -49,7 +49,8 @@ def forward(weights, biases, x):
     return x
 
 
-def cached_first(weights, caches):
+def read(weights, caches):
+    # What the forward pass reads: the cached layers' weights, then the others' own.
     return caches + weights[len(caches):]
 
 
@@ -66,7 +67,7 @@ elif variant == "hand-written cache, checked":
             lax.cond(f, lambda c, w: c, lambda c, w: _normalised(w), c, w)
             for c, f, w in zip(caches, filled, weights)
         ]
-        y = forward(cached_first(weights, new), biases, x)
+        y = forward(read(weights, new), biases, x)
         return y, new, [jnp.array(True) for _ in new]
 
     call = lambda: fn(weights, biases, caches, filled, x)
@@ -75,7 +76,7 @@ elif variant == "hand-written cache, decided outside":
     @jax.jit
     def fn(weights, biases, x):
         new = [_normalised(w) for w in weights[:slots]]
-        return forward(cached_first(weights, new), biases, x), new
+        return forward(read(weights, new), biases, x), new
 
     call = lambda: fn(weights, biases, x)
 else:
