@@ -22,11 +22,11 @@ its ratio to the unmemoized one.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from compare_checkouts import in_turn, run_in
 
 
 _ONE = """
@@ -103,29 +103,16 @@ VARIANTS = (
 )
 
 
-def measure(variant: str, slots: int) -> dict[str, float]:
-    here = str(Path(__file__).resolve().parent)
-    done = subprocess.run(
-        [sys.executable, "-c", _ONE, here, variant, str(slots)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=100)
     parser.add_argument("--reps", type=int, default=3)
     options = parser.parse_args()
+    here = Path(__file__).resolve().parent
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for rep in range(options.reps):
-        order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
-        for variant in order:
-            runs[variant].append(measure(variant, options.slots))
+        for variant, _ in in_turn({v: here for v in VARIANTS}, rep):
+            runs[variant].append(run_in(here, _ONE, variant, str(options.slots)))
         print(f"repetition {rep + 1} of {options.reps} done", file=sys.stderr, flush=True)
     reference = statistics.median(r["first_call_s"] for r in runs["unmemoized"])
     print(f"200 leaves, {options.slots} slots: first call, median of {options.reps} processes")
